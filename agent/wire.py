@@ -1,0 +1,149 @@
+"""The wire format between the agent and the collector: one versioned place both sides use.
+
+The agent builds batches with these helpers (standard library only, so training images need
+nothing but torch); the collector validates them with pydantic models in
+`ampwatch.server.schemas` whose field names and limits come from the constants here, and
+the tests send agent-built batches through those models.
+
+A batch, as JSON (`WIRE_VERSION` 1)::
+
+    {
+      "wire_version": 1,
+      "run": {"client_run_id": "3f2a...", "name": "gpt-small", "project": "default"},
+      "seq": 0,                       # per-run batch sequence number, from 0, no gaps
+      "steps": [                      # one record per optimizer step
+        {"step": 1, "loss": 2.31, "loss_scale": 65536.0, "skipped": false,
+         "grad_norm": null, "lr": 0.001, "act_norm_mean": 7.9, "act_norm_max": 11.2,
+         "rank": 0}
+      ],
+      "layer_stats": [                # sampled every N steps; arrays aligned with names
+        {"step": 10, "rank": 0, "names": ["fc1.weight", "fc1.bias"],
+         "stats": {"zero_fraction": [0.0, 0.25]}}
+      ],
+      "events": [
+        {"kind": "run_start", "step": null, "time": 1732870000.0, "data": {...}}
+      ],
+      "dropped": {"steps": 0, "layer_stats": 0, "events": 0}
+    }
+
+JSON has no literal for NaN and ±Inf, yet they are exactly the values the runs we watch
+produce. Every float field therefore carries either a JSON number or one of the strings
+``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (`encode_float` / `decode_float`).
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Final, Literal, TypedDict
+
+WIRE_VERSION: Final = 1
+INGEST_PATH: Final = "/api/v1/ingest"
+
+NON_FINITE: Final[dict[str, float]] = {
+    "NaN": math.nan,
+    "Infinity": math.inf,
+    "-Infinity": -math.inf,
+}
+
+#: Per-parameter-tensor statistics a layer-stats record may carry (name -> array).
+LAYER_STATS: Final = ("zero_fraction",)
+
+#: Event kinds the collector understands.
+EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
+
+#: Step-record float fields that may be null (not measured) or non-finite.
+STEP_FLOAT_FIELDS: Final = (
+    "loss",
+    "loss_scale",
+    "grad_norm",
+    "lr",
+    "act_norm_mean",
+    "act_norm_max",
+)
+
+MAX_NAME_LENGTH: Final = 512
+
+WireFloat = float | Literal["NaN", "Infinity", "-Infinity"]
+
+
+class RunRef(TypedDict):
+    client_run_id: str
+    name: str
+    project: str
+
+
+class StepRecord(TypedDict):
+    step: int
+    loss: WireFloat | None
+    loss_scale: WireFloat | None
+    skipped: bool
+    grad_norm: WireFloat | None
+    lr: WireFloat | None
+    act_norm_mean: WireFloat | None
+    act_norm_max: WireFloat | None
+    rank: int
+
+
+class LayerStatsRecord(TypedDict):
+    step: int
+    rank: int
+    names: list[str]
+    stats: dict[str, list[WireFloat]]
+
+
+class EventRecord(TypedDict):
+    kind: str
+    step: int | None
+    time: float
+    data: dict[str, Any]
+
+
+class Batch(TypedDict):
+    wire_version: int
+    run: RunRef
+    seq: int
+    steps: list[StepRecord]
+    layer_stats: list[LayerStatsRecord]
+    events: list[EventRecord]
+    dropped: dict[str, int]
+
+
+def encode_float(value: float | None) -> WireFloat | None:
+    """Return `value` as JSON can carry it: a number, a non-finite marker string, or None.
+
+    >>> encode_float(float("inf"))
+    'Infinity'
+    """
+    if value is None:
+        return None
+    if math.isfinite(value):
+        return float(value)
+    if math.isnan(value):
+        return "NaN"
+    return "Infinity" if value > 0 else "-Infinity"
+
+
+def decode_float(value: WireFloat | None) -> float | None:
+    """Inverse of `encode_float`; raises ValueError on any other string.
+
+    >>> decode_float("-Infinity")
+    -inf
+    """
+    if value is None:
+        return None
+    if isinstance(value, str):
+        try:
+            return NON_FINITE[value]
+        except KeyError:
+            raise ValueError(
+                f"{value!r} is not a number; non-finite floats are written "
+                f"as one of {sorted(NON_FINITE)}"
+            ) from None
+    return float(value)
+
+
+def encode_floats(values: list[float]) -> list[WireFloat]:
+    """`encode_float` over a list, fast when every value is finite (the common case)."""
+    if all(math.isfinite(v) for v in values):
+        return [float(v) for v in values]
+    return [encode_float(v) for v in values]  # type: ignore[misc]
