@@ -1,0 +1,111 @@
+"""The GradScaler tap: the unscaled loss from `scale()`, and the scale and skip at `update()`.
+
+`torch.amp.GradScaler` keeps its scale and found-inf flags as device tensors; the flags exist
+only between `step()` and `update()`. The tap reads them just before the real `update()`,
+without a host sync (never `get_scale()`, which calls `.item()`).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+
+from ampwatch.agent import wire
+from ampwatch.agent.stats import RunningMean
+
+_MISSING = object()
+
+
+def scaler_config(scaler: torch.amp.GradScaler) -> dict[str, Any]:
+    """The scaler's settings, read from attributes only (`state_dict()` would sync)."""
+    init_scale = getattr(scaler, "_init_scale", None)
+    return {
+        "enabled": scaler.is_enabled(),
+        "class": f"{type(scaler).__module__}.{type(scaler).__qualname__}",
+        "device": getattr(scaler, "_device", None),
+        "init_scale": wire.encode_float(init_scale) if init_scale is not None else None,
+        "growth_factor": getattr(scaler, "_growth_factor", None),
+        "backoff_factor": getattr(scaler, "_backoff_factor", None),
+        "growth_interval": getattr(scaler, "_growth_interval", None),
+    }
+
+
+def found_inf_total(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor | None:
+    """Sum of this iteration's found-inf flags over every optimizer and device (no sync).
+
+    These are exactly the flags `update()` consumes to back the scale off, so `> 0` is the
+    skip, for fused optimizers too (they always run `step()` and skip inside the kernel).
+    It stays exact where "the scale fell" would not: a scale already underflowed to 0, and
+    `update(new_scale)`. None if no `step()` recorded flags (`update()` will then raise).
+    """
+    flags = [
+        flag.to(device, non_blocking=True)
+        for state in scaler._per_optimizer_states.values()
+        for flag in state["found_inf_per_device"].values()
+    ]
+    if not flags:
+        return None
+    return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
+
+
+class ScalerTap:
+    """Patches `scale` and `update` on ONE scaler instance and restores them exactly.
+
+    The callbacks run around the real `update()`: `before_update()` (device work, may return
+    None to skip) and `after_update(prepared)` only if the real update returned normally, so
+    misuse errors (update without step) reach the user unchanged and record nothing.
+    """
+
+    def __init__(
+        self,
+        scaler: torch.amp.GradScaler,
+        *,
+        before_update: Callable[[], Any],
+        after_update: Callable[[Any], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._scaler = scaler
+        self._before_update = before_update
+        self._after_update = after_update
+        self._on_error = on_error
+        self.loss = RunningMean()
+        self._originals: dict[str, Any] = {}
+        self._saved: dict[str, Any] = {}
+
+    def attach(self) -> None:
+        for name, wrapper in (("scale", self._scale), ("update", self._update)):
+            self._originals[name] = getattr(self._scaler, name)
+            self._saved[name] = self._scaler.__dict__.get(name, _MISSING)
+            setattr(self._scaler, name, wrapper)
+
+    def detach(self) -> None:
+        for name, previous in self._saved.items():
+            if previous is _MISSING:
+                self._scaler.__dict__.pop(name, None)
+            else:
+                setattr(self._scaler, name, previous)
+        self._saved.clear()
+
+    def _scale(self, outputs: Any) -> Any:
+        if isinstance(outputs, torch.Tensor):
+            try:
+                loss = outputs.detach()
+                self.loss.add(loss.float().mean() if loss.dim() else loss)
+            except Exception as exc:
+                self._on_error(exc)
+        return self._originals["scale"](outputs)
+
+    def _update(self, new_scale: float | torch.Tensor | None = None) -> None:
+        try:
+            prepared = self._before_update()
+        except Exception as exc:
+            self._on_error(exc)
+            prepared = None
+        self._originals["update"](new_scale)
+        if prepared is not None:
+            try:
+                self._after_update(prepared)
+            except Exception as exc:
+                self._on_error(exc)

@@ -1,0 +1,254 @@
+"""The sender: retry policy, sequence numbers, bounded memory, and never hurting training."""
+
+from __future__ import annotations
+
+import gzip
+import http.server
+import json
+import socket
+import threading
+import time
+from typing import Any
+
+import pytest
+import torch
+from agent_fakes import FakeCollector
+from torch import nn
+
+from ampwatch.agent import watch, wire
+from ampwatch.agent.transport import LayerSample, Sender, StepSample, retry_delay
+
+RUN: wire.RunRef = {"client_run_id": "c0ffee", "name": "t", "project": "default"}
+
+
+# --- retry policy (pure) -----------------------------------------------------------------
+
+
+@pytest.mark.parametrize("status", [400, 401, 403, 404, 413, 422])
+def test_client_errors_are_not_retried(status: int) -> None:
+    assert retry_delay(1, status) is None
+
+
+@pytest.mark.parametrize("status", [None, 429, 500, 502, 503])
+def test_connection_errors_429_and_5xx_are_retried(status: int | None) -> None:
+    assert retry_delay(1, status) is not None
+
+
+def test_delay_doubles_with_jitter_between_half_and_full_ceiling() -> None:
+    low = [retry_delay(n, 503, base=0.5, cap=1e9, rng=lambda: 0.0) for n in range(1, 6)]
+    high = [retry_delay(n, 503, base=0.5, cap=1e9, rng=lambda: 1.0) for n in range(1, 6)]
+    assert low == [0.25, 0.5, 1.0, 2.0, 4.0]
+    assert high == [0.5, 1.0, 2.0, 4.0, 8.0]
+    assert retry_delay(3, None, base=0.5, cap=1e9, rng=lambda: 0.5) == pytest.approx(1.5)
+
+
+def test_delay_is_capped() -> None:
+    assert retry_delay(60, 500, base=0.5, cap=30.0, rng=lambda: 1.0) == 30.0
+    assert retry_delay(60, 500, base=0.5, cap=30.0, rng=lambda: 0.0) == 15.0
+
+
+# --- Sender ------------------------------------------------------------------------------
+
+
+def _step(step: int) -> StepSample:
+    return StepSample(step, 0, ("loss",), torch.tensor([float(step)]), None, 0.1)
+
+
+def _layers(step: int) -> LayerSample:
+    return LayerSample(step, 0, ["w"], [4], torch.tensor([1]), None)
+
+
+def test_a_batch_keeps_its_seq_across_retries() -> None:
+    collector = FakeCollector(statuses=[503, 500, 200])
+    sender = Sender(RUN, collector, flush_interval=0.01, retry_base=0.001)
+    sender.put(_step(1))
+    sender.start()
+    time.sleep(0.3)
+    sender.put(_step(2))
+    assert sender.close(timeout=5)
+
+    assert [b["seq"] for b in collector.batches] == [0, 1]
+    assert [r["step"] for b in collector.batches for r in b["steps"]] == [1, 2]
+    counters = sender.counters()
+    assert counters["send_failures"] == 2 and counters["batches_sent"] == 2
+
+
+def test_a_rejected_batch_is_counted_as_dropped_and_its_seq_reused() -> None:
+    collector = FakeCollector(statuses=[422])
+    sender = Sender(RUN, collector, flush_interval=0.01)
+    sender.put(_step(1))
+    sender.put(_layers(1))
+    sender.start()
+    time.sleep(0.3)
+    sender.put(_step(2))
+    assert sender.close(timeout=5)
+
+    (batch,) = collector.batches
+    assert batch["seq"] == 0
+    assert batch["dropped"] == {"steps": 1, "layer_stats": 1, "events": 0}
+    assert sender.counters()["batches_rejected"] == 1
+
+
+def test_buffer_bound_drops_oldest_layer_stats_first() -> None:
+    collector = FakeCollector()
+    sender = Sender(RUN, collector, flush_interval=60.0, max_buffered=10)
+    for step in range(1, 5):
+        sender.put(_layers(step))
+    for step in range(1, 11):
+        sender.put(_step(step))
+    sender.put(_step(11))  # now over the bound with no layer stats left: oldest step goes
+    sender.start()
+    assert sender.close(timeout=5)
+
+    (batch,) = collector.batches
+    assert batch["layer_stats"] == []
+    assert [r["step"] for r in batch["steps"]] == list(range(2, 12))
+    assert batch["dropped"] == {"steps": 1, "layer_stats": 4, "events": 0}
+    counters = sender.counters()
+    assert counters["dropped_layer_stats"] == 4 and counters["dropped_steps"] == 1
+
+
+def test_layer_stats_have_their_own_smaller_bound() -> None:
+    collector = FakeCollector()
+    sender = Sender(RUN, collector, flush_interval=60.0, max_buffered_layer_stats=3)
+    for step in range(1, 6):
+        sender.put(_layers(step))
+    sender.start()
+    assert sender.close(timeout=5)
+    assert [r["step"] for r in collector.layer_stats()] == [3, 4, 5]
+    assert collector.batches[0]["dropped"]["layer_stats"] == 2
+
+
+def test_a_full_queue_drops_and_counts_without_blocking() -> None:
+    sender = Sender(RUN, FakeCollector(), max_queue=2)
+    started = time.perf_counter()
+    for step in range(5):
+        sender.put(_step(step))
+    assert time.perf_counter() - started < 0.1
+    assert sender.counters()["dropped_steps"] == 3
+
+
+def test_close_gives_up_at_its_deadline_and_counts_what_was_unsent() -> None:
+    def down(body: bytes, headers: dict[str, str]) -> int:
+        raise ConnectionRefusedError
+
+    sender = Sender(RUN, down, retry_base=0.05)
+    sender.put(_step(1))
+    sender.start()
+    started = time.perf_counter()
+    assert sender.close(timeout=0.5) is False
+    assert time.perf_counter() - started < 2.0
+    assert sender.counters()["unsent_at_close"] == 1
+
+
+# --- through watch(): the training loop never notices ------------------------------------
+
+
+def _train(handle_steps: int, **watch_kwargs: Any) -> tuple[Any, float]:
+    model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = watch(model, optimizer, scaler, flush_interval=0.01, **watch_kwargs)
+    started = time.perf_counter()
+    for _ in range(handle_steps):
+        with torch.autocast("cpu", dtype=torch.float16):
+            loss = model(torch.randn(4, 8)).float().mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    return handle, time.perf_counter() - started
+
+
+@pytest.mark.parametrize("failure", ["raises", "http_500"])
+def test_a_failing_collector_never_reaches_the_training_loop(failure: str) -> None:
+    def transport(body: bytes, headers: dict[str, str]) -> int:
+        if failure == "raises":
+            raise RuntimeError("collector on fire")
+        return 500
+
+    handle, _ = _train(30, transport=transport)
+    time.sleep(0.2)
+    handle.detach(timeout=0.3)
+    counters = handle.counters
+    assert handle.step == 30
+    assert counters["send_failures"] >= 1 and counters["batches_sent"] == 0
+    assert counters["hook_errors"] == 0
+
+
+def test_a_blocked_sender_does_not_block_the_training_loop() -> None:
+    release = threading.Event()
+    collector = FakeCollector()
+
+    def slow(body: bytes, headers: dict[str, str]) -> int:
+        release.wait(10)
+        return collector(body, headers)
+
+    handle, elapsed = _train(30, transport=slow)
+    time.sleep(0.1)  # the sender is now stuck inside the first send
+    assert not release.is_set() and elapsed < 5.0
+    release.set()
+    handle.detach(timeout=5)
+    assert [r["step"] for r in collector.steps()] == list(range(1, 31))
+    assert [b["seq"] for b in collector.batches] == list(range(len(collector.batches)))
+
+
+def _closed_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+def test_unreachable_collector_costs_nothing_visible() -> None:
+    handle, elapsed = _train(20, url=f"http://127.0.0.1:{_closed_port()}")
+    started = time.perf_counter()
+    handle.detach(timeout=0.5)
+    assert time.perf_counter() - started < 3.0
+    assert handle.step == 20 and elapsed < 5.0
+    assert handle.counters["send_failures"] >= 1
+
+
+def test_real_http_round_trip_sends_a_valid_gzip_batch() -> None:
+    received: list[tuple[dict[str, str], dict[str, Any]]] = []
+
+    class Handler(http.server.BaseHTTPRequestHandler):
+        def do_POST(self) -> None:
+            body = self.rfile.read(int(self.headers["Content-Length"]))
+            received.append((dict(self.headers), json.loads(gzip.decompress(body))))
+            reply = json.dumps({"duplicate": False}).encode()
+            self.send_response(200)
+            self.send_header("Content-Type", "application/json")
+            self.send_header("Content-Length", str(len(reply)))
+            self.end_headers()
+            self.wfile.write(reply)
+
+        def log_message(self, *args: Any) -> None:
+            pass
+
+    server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        handle, _ = _train(5, url=f"http://127.0.0.1:{server.server_address[1]}/")
+        handle.detach(timeout=5)
+    finally:
+        server.shutdown()
+        server.server_close()
+
+    assert received, "no batch arrived"
+    headers, _ = received[0]
+    assert server.RequestHandlerClass is Handler
+    assert headers["Content-Type"] == "application/json"
+    assert headers["Content-Encoding"] == "gzip"
+    for _, batch in received:
+        assert set(batch) == set(wire.Batch.__annotations__)
+        assert batch["wire_version"] == wire.WIRE_VERSION
+        assert batch["run"]["client_run_id"] == handle.client_run_id
+        for record in batch["steps"]:
+            assert set(record) == set(wire.StepRecord.__annotations__)
+    assert [b["seq"] for _, b in received] == list(range(len(received)))
+    steps = [r["step"] for _, b in received for r in b["steps"]]
+    assert steps == [1, 2, 3, 4, 5]
+    kinds = [e["kind"] for _, b in received for e in b["events"]]
+    assert kinds[0] == "run_start" and kinds[-1] == "run_end"
+    assert handle.counters["batches_sent"] == len(received)
