@@ -1,0 +1,85 @@
+"""`POST /api/v1/ingest`: the agent's only write path.
+
+The body is read by hand rather than declared as a pydantic parameter, because agents
+send it gzip-compressed (`Content-Encoding: gzip`) and its size must be bounded both
+before and after decompression. Every problem with the body is a 4xx that says what is
+wrong: 400 bad gzip, 413 too large, 415 unknown encoding, 422 invalid batch.
+"""
+
+from __future__ import annotations
+
+import zlib
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Depends, HTTPException, Request
+from pydantic import ValidationError
+
+from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.server.api.deps import SessionDep, SettingsDep
+from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.schemas import BatchIn, IngestAck
+
+router = APIRouter(tags=["ingest"])
+
+#: A batch with thousands of bad values would otherwise answer with thousands of errors.
+MAX_REPORTED_ERRORS = 20
+
+
+async def read_body(request: Request, settings: SettingsDep) -> bytes:
+    """The request body, decompressed, at most `settings.max_body_bytes` either way."""
+    limit = settings.max_body_bytes
+    too_large = HTTPException(
+        status_code=413, detail=f"batch larger than {limit} bytes; send smaller batches"
+    )
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            raise too_large
+    encoding = request.headers.get("content-encoding", "identity").strip().lower()
+    if encoding in ("identity", ""):
+        return bytes(body)
+    if encoding != "gzip":
+        raise HTTPException(
+            status_code=415, detail=f"Content-Encoding {encoding!r} unsupported; use gzip"
+        )
+    decompressor = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)  # gzip framing
+    try:
+        data = decompressor.decompress(bytes(body), limit + 1)
+    except zlib.error as error:
+        raise HTTPException(
+            status_code=400, detail=f"Content-Encoding is gzip but the body is not: {error}"
+        ) from None
+    if len(data) > limit:
+        raise too_large
+    if not decompressor.eof:
+        raise HTTPException(status_code=400, detail="gzip body is truncated")
+    return data
+
+
+BodyDep = Annotated[bytes, Depends(read_body)]
+
+
+def _validation_detail(error: ValidationError) -> list[dict[str, Any]]:
+    details: list[dict[str, Any]] = [
+        dict(detail)
+        for detail in error.errors(include_url=False, include_context=False, include_input=False)
+    ]
+    if len(details) > MAX_REPORTED_ERRORS:
+        omitted = len(details) - MAX_REPORTED_ERRORS
+        details = details[:MAX_REPORTED_ERRORS]
+        details.append({"loc": [], "msg": f"{omitted} more errors omitted", "type": "omitted"})
+    return details
+
+
+@router.post(INGEST_PATH.removeprefix("/api/v1"), response_model=IngestAck)
+def ingest(body: BodyDep, session: SessionDep) -> IngestAck:
+    """Store one wire batch; a batch already stored is acknowledged with duplicate=true."""
+    try:
+        batch = BatchIn.model_validate_json(body)
+    except ValidationError as error:
+        raise HTTPException(status_code=422, detail=_validation_detail(error)) from None
+    return ingest_batch(session, batch)

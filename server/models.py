@@ -1,0 +1,196 @@
+"""Storage schema (SQLAlchemy 2 typed models); `alembic/versions/` must match it exactly.
+
+Per-layer statistics dominate volume (layers x steps), so `layer_stats` keeps one row per
+(run, rank, statistic, step) holding a packed little-endian float64 array ordered by the
+run's layer index (`layers.idx`): one insert per sampled step instead of one per value,
+and a layers x steps heatmap is one range scan. A layer absent from a record is stored as
+`MISSING`, a NaN with its own payload, so a genuinely NaN statistic stays distinguishable.
+"""
+
+from __future__ import annotations
+
+import math
+from datetime import datetime, timezone
+from typing import Any, Literal, get_args
+
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    DateTime,
+    Dialect,
+    Double,
+    ForeignKey,
+    Index,
+    Integer,
+    LargeBinary,
+    MetaData,
+    String,
+    UniqueConstraint,
+)
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+from sqlalchemy.types import TypeDecorator
+
+from ampwatch.agent.wire import MAX_NAME_LENGTH, NON_FINITE
+
+#: Constraint names are deterministic, so migrations can drop and alter them by name.
+NAMING_CONVENTION = {
+    "ix": "ix_%(table_name)s_%(column_0_N_name)s",
+    "uq": "uq_%(table_name)s_%(column_0_N_name)s",
+    "ck": "ck_%(table_name)s_%(constraint_name)s",
+    "fk": "fk_%(table_name)s_%(column_0_name)s_%(referred_table_name)s",
+    "pk": "pk_%(table_name)s",
+}
+
+RunStatus = Literal["running", "ended"]
+RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
+
+
+class Base(DeclarativeBase):
+    metadata = MetaData(naming_convention=NAMING_CONVENTION)
+
+
+class _RawDouble(Double[float]):
+    """Double without SQLAlchemy's float() bind coercion, which would turn 'NaN' back into
+    a NaN that SQLite then stores as NULL."""
+
+    def bind_processor(self, dialect: Dialect) -> None:
+        return None
+
+
+class NonFiniteFloat(TypeDecorator[float]):
+    """A double column in which NaN, +Inf and -Inf survive, distinct from NULL.
+
+    PostgreSQL's float8 stores all three natively. SQLite keeps +-Inf as REAL but binds a
+    NaN as NULL, which would turn "the loss was NaN" into "not measured" -- the very signal
+    ampwatch exists for. On SQLite a NaN is therefore written as the text 'NaN' (a REAL
+    column keeps text it cannot convert) and read back as float NaN. In SQL on SQLite such
+    a value compares greater than every number; compare in Python, not in WHERE clauses.
+    """
+
+    impl = _RawDouble
+    cache_ok = True
+
+    def process_bind_param(self, value: float | None, dialect: Dialect) -> Any:
+        if value is not None and dialect.name == "sqlite" and math.isnan(value):
+            return "NaN"
+        return value
+
+    def process_result_value(self, value: Any, dialect: Dialect) -> float | None:
+        if isinstance(value, str):
+            return float(NON_FINITE[value])
+        return None if value is None else float(value)
+
+
+class UTCDateTime(TypeDecorator[datetime]):
+    """A timestamp that is always timezone-aware UTC in Python, on every backend.
+
+    SQLite has no time zones and hands back naive values; normalising at the column
+    boundary keeps comparisons between stored and fresh timestamps from raising.
+    """
+
+    impl = DateTime(timezone=True)
+    cache_ok = True
+
+    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
+        if value is None:
+            return None
+        if value.tzinfo is None:
+            raise ValueError(f"naive datetime {value!r}: ampwatch stores aware UTC times")
+        value = value.astimezone(timezone.utc)
+        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
+
+    def process_result_value(self, value: datetime | None, dialect: Dialect) -> Any:
+        if value is not None and value.tzinfo is None:
+            return value.replace(tzinfo=timezone.utc)
+        return value
+
+
+def utcnow() -> datetime:
+    return datetime.now(timezone.utc)
+
+
+class Run(Base):
+    """One training run, keyed by the id its agent made up (`client_run_id`)."""
+
+    __tablename__ = "runs"
+    __table_args__ = (
+        CheckConstraint(
+            "status IN ({})".format(", ".join(f"'{s}'" for s in RUN_STATUSES)), name="status"
+        ),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    client_run_id: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), unique=True)
+    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+    project: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), index=True)
+    status: Mapped[RunStatus] = mapped_column(String(16), default="running")
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    end_reason: Mapped[str | None] = mapped_column(String(MAX_NAME_LENGTH))
+
+
+class IngestedBatch(Base):
+    """(run, seq) of every stored batch: a retried batch is recognised and not re-applied."""
+
+    __tablename__ = "ingested_batches"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class Step(Base):
+    """One optimizer step on one rank; NULL means not measured, NaN/Inf are kept as such."""
+
+    __tablename__ = "steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    loss: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    loss_scale: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    skipped: Mapped[bool] = mapped_column(Boolean)
+    grad_norm: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    lr: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_norm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_norm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+
+
+class Layer(Base):
+    """A parameter tensor of a run, numbered in order of first sight (`idx`)."""
+
+    __tablename__ = "layers"
+    __table_args__ = (UniqueConstraint("run_id", "name"),)
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
+    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+
+
+class LayerStat(Base):
+    """One statistic for every layer of a run at one step: packed float64, by layer idx."""
+
+    __tablename__ = "layer_stats"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stat: Mapped[str] = mapped_column(String(64), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class Event(Base):
+    """Something that happened once: run start, checkpoint saved, run end, a finding."""
+
+    __tablename__ = "events"
+    __table_args__ = (Index(None, "run_id", "time"),)
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    kind: Mapped[str] = mapped_column(String(32))
+    step: Mapped[int | None] = mapped_column(BigInteger)
+    time: Mapped[datetime] = mapped_column(UTCDateTime)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)

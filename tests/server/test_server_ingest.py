@@ -1,0 +1,322 @@
+"""Ingest through HTTP and read back: values, idempotency, and rejection of bad batches."""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+from collections.abc import Callable
+from typing import Any
+
+import httpx
+import pytest
+from wire_batches import layer_record, make_batch, step_record
+
+from ampwatch.agent.wire import INGEST_PATH, decode_float
+
+Counts = Callable[[], dict[str, int]]
+EMPTY = {
+    "runs": 0,
+    "ingested_batches": 0,
+    "steps": 0,
+    "layers": 0,
+    "layer_stats": 0,
+    "events": 0,
+}
+
+
+def post(client: httpx.Client, batch: Any, **kwargs: Any) -> httpx.Response:
+    return client.post(INGEST_PATH, content=json.dumps(batch), **kwargs)
+
+
+def only_run_id(client: httpx.Client) -> int:
+    (run,) = client.get("/api/v1/runs").json()["runs"]
+    return int(run["id"])
+
+
+def test_healthz(client: httpx.Client) -> None:
+    assert client.get("/healthz").json() == {"status": "ok"}
+
+
+def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Client) -> None:
+    losses = [2.5, math.nan, math.inf, -math.inf, None]
+    steps = [
+        step_record(i + 1, loss=loss, loss_scale=65536.0 / 2**i, skipped=i in (1, 2), lr=1e-3)
+        for i, loss in enumerate(losses)
+    ]
+    ack = post(client, make_batch(0, steps=steps))
+    assert ack.status_code == 200, ack.text
+    run_id = ack.json()["run_id"]
+    assert ack.json() == {"run_id": run_id, "seq": 0, "duplicate": False}
+
+    series = client.get(f"/api/v1/runs/{run_id}/steps").json()
+    assert series["step"] == [1, 2, 3, 4, 5]
+    assert series["loss"] == [2.5, "NaN", "Infinity", "-Infinity", None]
+    assert series["loss_scale"] == [65536.0, 32768.0, 16384.0, 8192.0, 4096.0]
+    assert series["skipped"] == [False, True, True, False, False]
+    assert series["grad_norm"] == [None] * 5
+    assert series["lr"] == [1e-3] * 5
+    assert set(series) == {
+        "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
+        "act_norm_max",
+    }  # fmt: skip
+
+    run = client.get(f"/api/v1/runs/{run_id}").json()
+    assert run["steps"] == 5
+    assert run["last_step"] == 5
+    assert run["last_loss_scale"] == 4096.0
+    assert run["skipped_steps"] == 2
+    assert run["status"] == "running"
+
+
+def test_run_summary_carries_non_finite_last_loss_scale(client: httpx.Client) -> None:
+    post(client, make_batch(0, steps=[step_record(1, loss_scale=math.inf)]))
+    assert client.get("/api/v1/runs").json()["runs"][0]["last_loss_scale"] == "Infinity"
+
+
+def test_ranks_are_separate_series_and_steps_count_once(client: httpx.Client) -> None:
+    steps = [step_record(s, rank=r, loss=float(10 * r + s)) for r in (0, 1) for s in (1, 2)]
+    run_id = post(client, make_batch(0, steps=steps)).json()["run_id"]
+    rank1 = client.get(f"/api/v1/runs/{run_id}/steps", params={"rank": 1}).json()
+    assert rank1["loss"] == [11.0, 12.0]
+    assert client.get(f"/api/v1/runs/{run_id}").json()["steps"] == 2
+
+
+def test_layer_matrix_unpacks_by_step_and_layer(client: httpx.Client) -> None:
+    first = make_batch(
+        0,
+        layer_stats=[
+            layer_record(10, ["fc1.weight", "fc1.bias"], [0.0, 0.25]),
+            layer_record(20, ["fc1.weight", "fc1.bias"], [math.nan, math.inf]),
+        ],
+    )
+    # A layer seen only later extends the matrix; one record omits fc1.bias.
+    second = make_batch(1, layer_stats=[layer_record(30, ["head.weight", "fc1.weight"], [1, 0.5])])
+    run_id = post(client, first).json()["run_id"]
+    assert post(client, second).status_code == 200
+
+    matrix = client.get(f"/api/v1/runs/{run_id}/layers", params={"stat": "zero_fraction"}).json()
+    assert matrix == {
+        "stat": "zero_fraction",
+        "layers": ["fc1.weight", "fc1.bias", "head.weight"],
+        "steps": [10, 20, 30],
+        "values": [
+            [0.0, 0.25, None],  # head.weight did not exist yet: not measured
+            ["NaN", "Infinity", None],  # a measured NaN is not "missing"
+            [0.5, None, 1.0],
+        ],
+    }
+    assert client.get(f"/api/v1/runs/{run_id}/layers", params={"rank": 1}).json()["steps"] == []
+
+
+def test_records_of_one_step_in_one_batch_merge(client: httpx.Client) -> None:
+    batch = make_batch(
+        0,
+        layer_stats=[
+            layer_record(5, ["a", "b"], [0.1, 0.2]),
+            layer_record(5, ["b", "c"], [0.3, 0.4]),
+        ],
+    )
+    run_id = post(client, batch).json()["run_id"]
+    matrix = client.get(f"/api/v1/runs/{run_id}/layers").json()
+    assert matrix["steps"] == [5]
+    assert matrix["values"] == [[0.1, 0.3, 0.4]]
+
+
+def test_events_round_trip_and_run_end_ends_the_run(client: httpx.Client) -> None:
+    events: list[Any] = [
+        {"kind": "run_start", "step": None, "time": 1_732_870_000.25,
+         "data": {"world_size": 2, "dtypes": ["float16"]}},
+        {"kind": "checkpoint", "step": 100, "time": 1_732_870_100.5,
+         "data": {"path": "/ckpt/100.pt"}},
+        {"kind": "run_end", "step": 120, "time": 1_732_870_200.75,
+         "data": {"reason": "finished"}},
+    ]  # fmt: skip
+    run_id = post(client, make_batch(0, events=events)).json()["run_id"]
+    assert client.get(f"/api/v1/runs/{run_id}/events").json() == {"events": events}
+    run = client.get(f"/api/v1/runs/{run_id}").json()
+    assert run["status"] == "ended"
+
+
+def test_runs_are_listed_newest_first(client: httpx.Client) -> None:
+    for seq, name in enumerate(["first", "second", "third"]):
+        assert post(client, make_batch(seq, client_run_id=name)).status_code == 200
+    runs = client.get("/api/v1/runs").json()["runs"]
+    assert [r["client_run_id"] for r in runs] == ["third", "second", "first"]
+    assert runs[0]["steps"] == 0 and runs[0]["last_step"] is None
+    assert runs[0]["created_at"].endswith(("Z", "+00:00"))
+
+
+def test_duplicate_batch_is_acknowledged_and_changes_nothing(
+    client: httpx.Client, count_rows: Counts
+) -> None:
+    batch = make_batch(
+        0,
+        steps=[step_record(1, loss=1.0)],
+        layer_stats=[layer_record(1, ["w"], [0.5])],
+        events=[{"kind": "run_start", "step": None, "time": 1.0, "data": {}}],
+    )
+    first = post(client, batch).json()
+    counts = count_rows()
+    before = client.get(f"/api/v1/runs/{first['run_id']}").json()
+
+    batch["steps"] = [step_record(1, loss=99.0)]  # a retry must not apply anything
+    again = post(client, batch)
+    assert again.status_code == 200
+    assert again.json() == {"run_id": first["run_id"], "seq": 0, "duplicate": True}
+    assert count_rows() == counts == {
+        "runs": 1, "ingested_batches": 1, "steps": 1, "layers": 1, "layer_stats": 1, "events": 1,
+    }  # fmt: skip
+    assert client.get(f"/api/v1/runs/{first['run_id']}").json() == before
+    assert client.get(f"/api/v1/runs/{first['run_id']}/steps").json()["loss"] == [1.0]
+
+
+def test_resent_step_in_a_new_batch_overwrites(client: httpx.Client, count_rows: Counts) -> None:
+    post(client, make_batch(0, steps=[step_record(1, loss=1.0), step_record(2, loss=2.0)]))
+    post(client, make_batch(1, steps=[step_record(2, loss=math.nan, skipped=True)]))
+    run_id = only_run_id(client)
+    series = client.get(f"/api/v1/runs/{run_id}/steps").json()
+    assert series["loss"] == [1.0, "NaN"]
+    assert series["skipped"] == [False, True]
+    assert count_rows()["steps"] == 2
+
+
+def test_gzip_body(client: httpx.Client) -> None:
+    body = gzip.compress(json.dumps(make_batch(0, steps=[step_record(7, loss=0.5)])).encode())
+    response = client.post(
+        INGEST_PATH,
+        content=body,
+        headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+    )
+    assert response.status_code == 200, response.text
+    run_id = response.json()["run_id"]
+    assert client.get(f"/api/v1/runs/{run_id}/steps").json()["step"] == [7]
+
+
+def test_json_nan_literals_are_read_as_the_wire_strings(client: httpx.Client) -> None:
+    # Python's json.dumps writes bare NaN/Infinity; the collector reads them as meant,
+    # and keeps them out of stored JSON (PostgreSQL rejects them there).
+    batch = make_batch(
+        0,
+        steps=[{**step_record(1), "loss": math.nan}],
+        events=[{"kind": "finding", "step": 1, "time": 5.0, "data": {"value": -math.inf}}],
+    )
+    response = client.post(INGEST_PATH, content=json.dumps(batch, allow_nan=True))
+    assert response.status_code == 200, response.text
+    run_id = response.json()["run_id"]
+    assert client.get(f"/api/v1/runs/{run_id}/steps").json()["loss"] == ["NaN"]
+    (event,) = client.get(f"/api/v1/runs/{run_id}/events").json()["events"]
+    assert decode_float(event["data"]["value"]) == -math.inf
+
+
+def _bad(batch: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
+    target: Any = batch
+    for key in path[:-1]:
+        target = target[key]
+    target[path[-1]] = value
+    return batch
+
+
+def _full_batch(seq: int = 0) -> dict[str, Any]:
+    return dict(
+        make_batch(
+            seq,
+            steps=[step_record(1, loss=1.0), step_record(2, loss=math.nan)],
+            layer_stats=[layer_record(1, ["a", "b"], [0.0, 1.0])],
+            events=[{"kind": "run_start", "step": None, "time": 1.0, "data": {}}],
+        )
+    )
+
+
+@pytest.mark.parametrize(
+    ("path", "value", "message"),
+    [
+        (["steps", 1, "loss"], "1.5", "valid number"),
+        (["steps", 1, "loss"], "nan", "'NaN', 'Infinity' or '-Infinity'"),
+        (["steps", 0, "step"], "one", "valid integer"),
+        (["steps", 0, "step"], -1, "greater than or equal to 0"),
+        (["steps", 0, "skipped"], 1, "valid boolean"),
+        (["layer_stats", 0, "stats", "zero_fraction"], [0.0], "1 values for 2 names"),
+        (["layer_stats", 0, "stats"], {"zero_share": [0.0, 1.0]}, "unknown statistic"),
+        (["layer_stats", 0, "names"], ["a", "a"], "unique"),
+        (["events", 0, "kind"], "reboot", "unknown event kind"),
+        (["run", "name"], "bad\x00name", "pattern"),
+        (["run", "client_run_id"], "", "at least 1 character"),
+        (["wire_version"], 2, "wire_version 2 is not supported"),
+        (["steps", 0, "loss_scal"], 1.0, "Extra inputs are not permitted"),
+    ],
+)
+def test_invalid_batch_is_422_with_message_and_stores_nothing(
+    client: httpx.Client, count_rows: Counts, path: list[Any], value: Any, message: str
+) -> None:
+    response = post(client, _bad(_full_batch(), path, value))
+    assert response.status_code == 422
+    assert message in response.text
+    assert count_rows() == EMPTY
+
+
+def test_invalid_batch_for_a_known_run_changes_nothing(
+    client: httpx.Client, count_rows: Counts
+) -> None:
+    assert post(client, _full_batch(0)).status_code == 200
+    counts = count_rows()
+    response = post(client, _bad(_full_batch(1), ["steps", 1, "rank"], "zero"))
+    assert response.status_code == 422
+    assert response.json()["detail"][0]["loc"] == ["steps", 1, "rank"]
+    assert count_rows() == counts
+
+
+@pytest.mark.parametrize(
+    ("body", "headers", "status", "message"),
+    [
+        (b'{"wire_version": 1, "run": ', {}, 422, "Invalid JSON"),
+        (b"[1, 2]", {}, 422, "Input should be an object"),
+        (b"\xff\xfe", {}, 422, "Invalid JSON"),
+        (b"not gzip", {"Content-Encoding": "gzip"}, 400, "not"),
+        (gzip.compress(b'{"a": 1}')[:-12], {"Content-Encoding": "gzip"}, 400, "truncated"),
+        (b"{}", {"Content-Encoding": "br"}, 415, "use gzip"),
+    ],
+)
+def test_malformed_body_is_4xx_with_message(
+    client: httpx.Client,
+    count_rows: Counts,
+    body: bytes,
+    headers: dict[str, str],
+    status: int,
+    message: str,
+) -> None:
+    response = client.post(INGEST_PATH, content=body, headers=headers)
+    assert response.status_code == status
+    assert message in response.text
+    assert count_rows() == EMPTY
+
+
+def test_a_failure_while_storing_rolls_the_whole_batch_back(
+    client: httpx.Client, count_rows: Counts, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    from ampwatch.server import ingest
+
+    def fail(*_args: object) -> None:  # after steps and layer stats were written
+        raise RuntimeError("disk full")
+
+    monkeypatch.setattr(ingest, "_apply_events", fail)
+    # uvicorn drops the connection after an unhandled error; don't let httpx reuse it.
+    assert post(client, _full_batch(), headers={"Connection": "close"}).status_code == 500
+    assert count_rows() == EMPTY
+    monkeypatch.undo()
+    assert post(client, _full_batch()).json()["duplicate"] is False  # the retry is not a dup
+
+
+@pytest.mark.parametrize("path", ["", "/steps", "/layers", "/events"])
+@pytest.mark.parametrize("run_id", [42, 2**40])
+def test_unknown_run_is_404(client: httpx.Client, path: str, run_id: int) -> None:
+    response = client.get(f"/api/v1/runs/{run_id}{path}")
+    assert response.status_code == 404
+    assert response.json() == {"detail": f"run {run_id} not found"}
+
+
+def test_unknown_layer_stat_is_422(client: httpx.Client) -> None:
+    run_id = post(client, _full_batch()).json()["run_id"]
+    response = client.get(f"/api/v1/runs/{run_id}/layers", params={"stat": "nope"})
+    assert response.status_code == 422
+    assert "unknown statistic 'nope'" in response.text
