@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+from typing import Any
+
+import dash
+import pytest
+
+from ampwatch.dashboard.__main__ import main
+
+
+def test_main_serves_the_app_for_the_given_collector(monkeypatch: pytest.MonkeyPatch) -> None:
+    served: dict[str, Any] = {}
+
+    def fake_run(app: dash.Dash, **kwargs: Any) -> None:
+        served.update(kwargs, prefix=app.config.requests_pathname_prefix)
+
+    monkeypatch.setattr(dash.Dash, "run", fake_run)
+    main(["--api-url", "http://collector:8000", "--port", "8123", "--host", "0.0.0.0"])
+    assert served == {"host": "0.0.0.0", "port": 8123, "debug": False, "prefix": "/"}
+
+
+def test_main_requires_the_collector_url() -> None:
+    with pytest.raises(SystemExit):
+        main([])
