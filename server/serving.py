@@ -1,0 +1,114 @@
+"""Run the collector: in the foreground (`ampwatch serve`) or on a background thread.
+
+The background form serves `ampwatch demo` (which trains in the foreground while the
+collector runs beside it) and the tests (a real HTTP server on a free port).
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+import time
+from types import TracebackType
+
+import uvicorn
+
+from ampwatch.server.main import create_app
+from ampwatch.server.migrate import upgrade
+from ampwatch.server.settings import Settings
+
+
+def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
+    """A listening-ready TCP socket; port 0 lets the OS pick a free one.
+
+    Binding before the server starts leaves no window in which another process can take
+    the port (`free_port()`-then-bind races under parallel tests).
+    """
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    sock = socket.socket(family, socket.SOCK_STREAM)
+    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+    try:
+        sock.bind((host, port))
+    except OSError as error:
+        sock.close()
+        raise RuntimeError(
+            f"cannot listen on {host}:{port} ({error.strerror}); is another collector "
+            f"running there? Pick another port with --port or AMPWATCH_PORT."
+        ) from error
+    return sock
+
+
+def _server(settings: Settings) -> uvicorn.Server:
+    return uvicorn.Server(
+        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
+    )
+
+
+def serve(settings: Settings) -> None:
+    """Apply migrations, then serve until interrupted (Ctrl-C)."""
+    upgrade(settings.database_url)
+    sock = bind_socket(settings.host, settings.port)
+    _server(settings).run(sockets=[sock])
+
+
+class BackgroundCollector:
+    """A real collector on a daemon thread; a context manager that stops it on exit.
+
+    Pass `sock` (from `bind_socket`) when `settings.port` was chosen by binding it.
+
+    >>> with BackgroundCollector(Settings(port=0)) as collector:  # doctest: +SKIP
+    ...     print(collector.url)
+    """
+
+    def __init__(self, settings: Settings, *, sock: socket.socket | None = None,
+                 start_timeout: float = 30.0) -> None:
+        self.settings = settings
+        self._sock = sock
+        self._start_timeout = start_timeout
+        self._server = _server(settings)
+        self._thread: threading.Thread | None = None
+
+    @property
+    def url(self) -> str:
+        return self.settings.public_url
+
+    def start(self) -> BackgroundCollector:
+        """Migrate the database, then serve; returns once the server accepts requests."""
+        upgrade(self.settings.database_url)
+        if self._sock is None:
+            self._sock = bind_socket(self.settings.host, self.settings.port)
+        self._thread = threading.Thread(
+            target=self._server.run, kwargs={"sockets": [self._sock]},
+            name="ampwatch-collector", daemon=True,
+        )
+        self._thread.start()
+        deadline = time.monotonic() + self._start_timeout
+        while not self._server.started:
+            if not self._thread.is_alive() or time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"the collector did not start on {self.url}")
+            time.sleep(0.02)
+        return self
+
+    def wait(self) -> None:
+        """Block until the server stops (Ctrl-C in the main thread ends the wait)."""
+        while self._thread is not None and self._thread.is_alive():
+            self._thread.join(timeout=0.5)
+
+    def stop(self, timeout: float = 20.0) -> None:
+        self._server.should_exit = True
+        if self._thread is not None:
+            self._thread.join(timeout=timeout)
+        if self._sock is not None:
+            self._sock.close()
+
+    def __enter__(self) -> BackgroundCollector:
+        return self.start()
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        self.stop()
