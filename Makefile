@@ -1,0 +1,41 @@
+# The README's two commands: `make demo` (set up from nothing, run the demo) and `make test`.
+PYTHON ?= python3
+VENV ?= .venv
+# The CPU wheel this kind of machine keeps on disk; override for a CUDA build, e.g.
+# make demo TORCH_SPEC='torch==2.13.0'  (a torch the Python already has is reused).
+TORCH_SPEC ?= torch==2.13.0
+BIN := $(VENV)/bin
+
+.PHONY: demo serve test setup browser
+
+demo: setup
+	$(BIN)/ampwatch demo
+
+serve: setup
+	$(BIN)/ampwatch serve
+
+test: setup browser
+	$(BIN)/pytest
+
+setup: $(VENV)/.installed
+
+# torch first, from an exact pin, so the range in pyproject.toml installs nothing more
+# (otherwise pip would fetch a several-GB CUDA build).
+$(VENV)/.installed: pyproject.toml
+	@if $(PYTHON) -c "import torch" 2>/dev/null; then \
+		echo "Reusing the torch that $(PYTHON) already has"; \
+		$(PYTHON) -m venv --system-site-packages $(VENV); \
+	else \
+		$(PYTHON) -m venv $(VENV); \
+	fi
+	$(BIN)/python -m pip install -q --upgrade pip
+	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
+	$(BIN)/python -m pip install -q -e ".[all,test]"
+	@touch $@
+
+# The dashboard's browser tests drive Debian's chromium; without it (and without root to
+# install it) they skip with that reason.
+browser:
+	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
+		|| echo "chromium is not installed: the browser tests will skip"
