@@ -18,7 +18,9 @@ A batch, as JSON (`WIRE_VERSION` 1)::
       ],
       "layer_stats": [                # sampled every N steps; arrays aligned with names
         {"step": 10, "rank": 0, "names": ["fc1.weight", "fc1.bias"],
-         "stats": {"zero_fraction": [0.0, 0.25]}}
+         "stats": {"zero_fraction": [0.0, 0.25], "flush_fraction": [0.01, 0.0], ...},
+         "exponent_histograms": {      # optional; see EXPONENT_HISTOGRAM below
+           "offsets": [100, 98], "counts": [[3, 0, 17, ...], [1, 2, ...]]}}
       ],
       "events": [
         {"kind": "run_start", "step": null, "time": 1732870000.0, "data": {...}}
@@ -45,11 +47,43 @@ NON_FINITE: Final[dict[str, float]] = {
     "-Infinity": -math.inf,
 }
 
-#: Per-parameter-tensor statistics a layer-stats record may carry (name -> array).
-LAYER_STATS: Final = ("zero_fraction",)
+#: Per-parameter-tensor statistics a layer-stats record may carry (name -> array), all
+#: over the tensor's gradient elements g, with S the loss scale in effect for the step
+#: (1 without a scaler):
+#:   zero_fraction       share with g == 0 exactly
+#:   subnormal_fraction  share with 2^-24 <= |g*S| < 2^-14 (FP16's subnormal range)
+#:   flush_fraction      share with 0 < |g*S| < 2^-24: would flush to zero in FP16 at this
+#:                       scale (an underflow forecast even when grads live in FP32)
+#:   max_abs_scaled      max |g*S|, to compare with FP16_MAX (overflow headroom)
+LAYER_STATS: Final = ("zero_fraction", "subnormal_fraction", "flush_fraction", "max_abs_scaled")
+
+FP16_MAX: Final = 65504.0
+FP16_MIN_NORMAL: Final = 2.0**-14
+FP16_MIN_SUBNORMAL: Final = 2.0**-24
+
+#: Exponent histograms of the unscaled gradient, one per parameter tensor, binned by the
+#: float32 biased exponent field e of each element: counts[i][j] is the number of elements
+#: of tensor i whose field equals offsets[i] + j. Field 0 holds zeros and float32
+#: subnormals, 255 holds Inf and NaN, and 1..254 holds |g| in [2^(e-127), 2^(e-126)).
+#: Only the non-empty span is sent. One pass yields every statistic above at any scale S
+#: (shift the bins by log2 S), so the dashboard can draw the FP8/FP16/BF16 ranges against it.
+EXPONENT_HISTOGRAM_BINS: Final = 256
+EXPONENT_BIAS: Final = 127
 
 #: Event kinds the collector understands.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
+
+#: `finding` events carry {"code": one of these, "message": str, ...details}.
+FINDING_CODES: Final = (
+    "fp16_params_without_scaler",
+    "bf16_in_use",
+    "fp8_in_use",
+    "clip_before_unscale",
+)
+
+#: Keys of a batch's "dropped" field: records the agent dropped (never blocking training)
+#: since its previous batch was acknowledged.
+DROPPED_KINDS: Final = ("steps", "layer_stats", "events")
 
 #: Step-record float fields that may be null (not measured) or non-finite.
 STEP_FLOAT_FIELDS: Final = (
@@ -84,11 +118,20 @@ class StepRecord(TypedDict):
     rank: int
 
 
-class LayerStatsRecord(TypedDict):
+class ExponentHistograms(TypedDict):
+    offsets: list[int]
+    counts: list[list[int]]
+
+
+class _LayerStatsRequired(TypedDict):
     step: int
     rank: int
     names: list[str]
     stats: dict[str, list[WireFloat]]
+
+
+class LayerStatsRecord(_LayerStatsRequired, total=False):
+    exponent_histograms: ExponentHistograms
 
 
 class EventRecord(TypedDict):
