@@ -24,10 +24,11 @@ from torch.utils.hooks import RemovableHandle
 
 from ampwatch.agent import wire
 from ampwatch.agent.hooks import ActivationNorm, find_final_layer
+from ampwatch.agent.records import LayerSample, StepSample
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, scaler_config
 from ampwatch.agent.stats import RunningMean, nonzero_counts
 from ampwatch.agent.summary import fp16_params, guess_precision, model_summary, process_info
-from ampwatch.agent.transport import LayerSample, Sender, StepSample, Transport, http_transport
+from ampwatch.agent.transport import Sender, Transport, http_transport
 
 logger = logging.getLogger("ampwatch.agent")
 

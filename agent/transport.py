@@ -27,10 +27,8 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any, cast
 
-import torch
-
 from ampwatch.agent import wire
-from ampwatch.agent.stats import zero_fractions
+from ampwatch.agent.records import LayerSample, StepSample, layer_record, step_record
 
 logger = logging.getLogger("ampwatch.agent")
 
@@ -80,30 +78,6 @@ def http_transport(url: str, *, timeout: float = 10.0) -> Transport:
                 return exc.code
 
     return post
-
-
-@dataclass(slots=True)
-class StepSample:
-    """One optimizer step: `values` (CPU, maybe still being copied) aligned with `fields`."""
-
-    step: int
-    rank: int
-    fields: tuple[str, ...]
-    values: torch.Tensor | None
-    ready: torch.cuda.Event | None
-    lr: float | None
-
-
-@dataclass(slots=True)
-class LayerSample:
-    """Non-zero gradient counts per parameter tensor at a sampled step."""
-
-    step: int
-    rank: int
-    names: list[str]
-    numels: list[int]
-    nonzero: torch.Tensor
-    ready: torch.cuda.Event | None
 
 
 @dataclass
@@ -284,9 +258,9 @@ class Sender:
 
     def _absorb(self, item: object) -> None:
         if isinstance(item, StepSample):
-            self._buffer.steps.append(_step_record(item))
+            self._buffer.steps.append(step_record(item))
         elif isinstance(item, LayerSample):
-            self._buffer.layer_stats.append(_layer_record(item))
+            self._buffer.layer_stats.append(layer_record(item))
             if len(self._buffer.layer_stats) > self._max_buffered_layer_stats:
                 self._buffer.layer_stats.popleft()
                 self._count_drop("layer_stats")
@@ -373,39 +347,3 @@ class Sender:
         return _InFlight(
             body=body, records={kind: len(taken[kind]) for kind in _KINDS}, drops=dropped
         )
-
-
-def _wait(ready: torch.cuda.Event | None) -> None:
-    if ready is not None:
-        ready.synchronize()
-
-
-def _step_record(sample: StepSample) -> wire.StepRecord:
-    _wait(sample.ready)
-    values = dict(
-        zip(sample.fields, sample.values.tolist() if sample.values is not None else (), strict=True)
-    )
-    lr = values.get("lr", sample.lr)
-    found_inf = values.get("found_inf")
-    return {
-        "step": sample.step,
-        "loss": wire.encode_float(values.get("loss")),
-        "loss_scale": wire.encode_float(values.get("loss_scale")),
-        "skipped": found_inf is not None and found_inf > 0,
-        "grad_norm": None,
-        "lr": wire.encode_float(lr),
-        "act_norm_mean": wire.encode_float(values.get("act_norm_mean")),
-        "act_norm_max": wire.encode_float(values.get("act_norm_max")),
-        "rank": sample.rank,
-    }
-
-
-def _layer_record(sample: LayerSample) -> wire.LayerStatsRecord:
-    _wait(sample.ready)
-    fractions = zero_fractions(sample.numels, sample.nonzero.tolist())
-    return {
-        "step": sample.step,
-        "rank": sample.rank,
-        "names": sample.names,
-        "stats": {"zero_fraction": wire.encode_floats(fractions)},
-    }

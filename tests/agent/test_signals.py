@@ -11,10 +11,10 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from agent_fakes import FakeCollector
 from torch import nn
 
 from ampwatch.agent import watch
-from agent_fakes import FakeCollector
 
 OVERFLOW_STEPS = {7, 19, 20, 33}
 STEPS = 40

@@ -16,7 +16,8 @@ from agent_fakes import FakeCollector
 from torch import nn
 
 from ampwatch.agent import watch, wire
-from ampwatch.agent.transport import LayerSample, Sender, StepSample, retry_delay
+from ampwatch.agent.records import LayerSample, StepSample
+from ampwatch.agent.transport import Sender, retry_delay
 
 RUN: wire.RunRef = {"client_run_id": "c0ffee", "name": "t", "project": "default"}
 
