@@ -54,6 +54,12 @@ _BASE_LAYOUT = {
 }
 
 
+NO_SCALER_MESSAGE = (
+    "No loss scale reported: this run has no enabled GradScaler. "
+    "Under FP16 that lets small gradients flush to zero; check the zero-gradient heatmap."
+)
+
+
 def finite_or_none(value: float | None) -> float | None:
     """A plotly-ready value: non-finite becomes None, i.e. a gap in the line."""
     return value if value is not None and math.isfinite(value) else None
@@ -212,6 +218,18 @@ def loss_scale_figure(series: StepSeries, *, checkpoint_steps: Sequence[int] = (
             ),
             row=2,
             col=1,
+        )
+
+    if not shown:
+        # An empty log axis would read as "no data yet"; say what it really means.
+        figure.add_annotation(
+            text=NO_SCALER_MESSAGE,
+            xref="x domain",
+            yref="y domain",
+            x=0.5,
+            y=0.5,
+            showarrow=False,
+            font={"size": 13, "color": "#666666"},
         )
 
     figure.update_layout(title=title, height=480, **_BASE_LAYOUT)

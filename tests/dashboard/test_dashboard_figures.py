@@ -41,6 +41,16 @@ def test_loss_scale_has_dashed_line_at_one(series: StepSeries) -> None:
     assert lines[0].yref == "y"  # on the loss-scale row, not the loss row
 
 
+def test_run_without_scaler_says_so_instead_of_empty_axes(steps_json: dict[str, Any]) -> None:
+    no_scaler = StepSeries.from_json({**steps_json,
+                                      "loss_scale": [None] * len(steps_json["step"])})
+    texts = [a.text for a in figures.loss_scale_figure(no_scaler).layout.annotations]
+    assert figures.NO_SCALER_MESSAGE in texts
+    texts = [a.text for a in figures.loss_scale_figure(StepSeries.from_json(steps_json))
+             .layout.annotations]
+    assert figures.NO_SCALER_MESSAGE not in texts
+
+
 def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) -> None:
     skipped = trace(figures.loss_scale_figure(series), "skipped step (2)")
     assert list(skipped.x) == [3, 5]
