@@ -70,3 +70,16 @@ def begin_write(session: Session) -> None:
     other databases it is a plain transaction start.
     """
     session.connection(execution_options={SQLITE_IMMEDIATE: True})
+
+
+def dialect_insert(session: Session, table: Any) -> Any:
+    """An INSERT for `table` (a model or Table) supporting ON CONFLICT, from the session's
+    dialect: both backends spell upserts the same way, but through different classes."""
+    from sqlalchemy.dialects import postgresql, sqlite
+
+    dialect = session.get_bind().dialect.name
+    if dialect == "sqlite":
+        return sqlite.insert(table)
+    if dialect == "postgresql":
+        return postgresql.insert(table)
+    raise RuntimeError(f"ampwatch stores into SQLite or PostgreSQL, not {dialect}")

@@ -2,23 +2,18 @@
 
 from __future__ import annotations
 
-import math
-from collections.abc import Iterable
 from typing import Any
 
-from sqlalchemy import Select, case, distinct, func, select
+from sqlalchemy import ColumnElement, Select, case, distinct, func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WireFloat, encode_float
-from ampwatch.server.models import Event, Layer, LayerStat, Run, Step
-from ampwatch.server.packed import to_wire_rows, unpack_matrix
+from ampwatch.agent.wire import DROPPED_KINDS, encode_float
+from ampwatch.server.models import Event, Run, RunStatus, Step
 from ampwatch.server.schemas import (
     EventPublic,
     EventsPublic,
-    LayerMatrix,
     RunPublic,
     RunsPublic,
-    StepSeries,
 )
 
 
@@ -67,54 +62,45 @@ def _run_public(run: Run, steps: Any, last_step: Any, skipped: Any, scale: Any) 
         last_step=last_step,
         last_loss_scale=encode_float(scale),
         skipped_steps=skipped or 0,
+        dropped={kind: getattr(run, f"dropped_{kind}") for kind in DROPPED_KINDS},
     )
 
 
-def list_runs(session: Session) -> RunsPublic:
-    """All runs, newest first, each with its step summary."""
-    return RunsPublic(runs=[_run_public(*row) for row in session.execute(_runs_query())])
+def list_runs(
+    session: Session,
+    *,
+    project: str | None = None,
+    status: RunStatus | None = None,
+    name_contains: str | None = None,
+    limit: int = 100,
+    offset: int = 0,
+) -> RunsPublic:
+    """One page of the runs matching every given filter, newest first, with the total.
+
+    `name_contains` matches anywhere in the name, case-insensitively (ASCII case on SQLite).
+    """
+    conditions: list[ColumnElement[bool]] = []
+    if project is not None:
+        conditions.append(Run.project == project)
+    if status is not None:
+        conditions.append(Run.status == status)
+    if name_contains:
+        pattern = name_contains.replace("\\", "\\\\").replace("%", "\\%").replace("_", "\\_")
+        conditions.append(Run.name.ilike(f"%{pattern}%", escape="\\"))
+    total = session.scalar(select(func.count()).select_from(Run).where(*conditions)) or 0
+    page = _runs_query().where(*conditions).limit(limit).offset(offset)
+    return RunsPublic(
+        runs=[_run_public(*row) for row in session.execute(page)],
+        total=total,
+        limit=limit,
+        offset=offset,
+    )
 
 
 def get_run(session: Session, run_id: int) -> RunPublic | None:
     """One run with its step summary, or None when there is no such run."""
     row = session.execute(_runs_query().where(Run.id == run_id)).first()
     return _run_public(*row) if row else None
-
-
-def _wire_column(values: Iterable[float | None]) -> list[WireFloat | None]:
-    return [v if v is None or math.isfinite(v) else encode_float(v) for v in values]
-
-
-def step_series(session: Session, run_id: int, rank: int) -> StepSeries:
-    """The steps of one rank as columns, ordered by step."""
-    columns = [getattr(Step, name) for name in STEP_FLOAT_FIELDS]
-    rows = session.execute(
-        select(Step.step, Step.skipped, *columns)
-        .where(Step.run_id == run_id, Step.rank == rank)
-        .order_by(Step.step)
-    ).all()
-    transposed = list(zip(*rows)) or [()] * (2 + len(columns))
-    floats = {name: _wire_column(column) for name, column in zip(STEP_FLOAT_FIELDS, transposed[2:])}
-    return StepSeries(step=list(transposed[0]), skipped=list(transposed[1]), **floats)
-
-
-def layer_matrix(session: Session, run_id: int, stat: str, rank: int) -> LayerMatrix:
-    """One statistic for every layer of a run: rows by step, columns by layer idx."""
-    names = list(
-        session.scalars(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))
-    )
-    rows = session.execute(
-        select(LayerStat.step, LayerStat.values)
-        .where(LayerStat.run_id == run_id, LayerStat.rank == rank, LayerStat.stat == stat)
-        .order_by(LayerStat.step)
-    ).all()
-    values, missing = unpack_matrix([blob for _, blob in rows], len(names))
-    return LayerMatrix(
-        stat=stat,
-        layers=names,
-        steps=[step for step, _ in rows],
-        values=to_wire_rows(values, missing),
-    )
 
 
 def run_events(session: Session, run_id: int) -> EventsPublic:
@@ -128,7 +114,3 @@ def run_events(session: Session, run_id: int) -> EventsPublic:
             for e in events
         ]
     )
-
-
-def run_exists(session: Session, run_id: int) -> bool:
-    return session.get(Run, run_id) is not None

@@ -7,6 +7,7 @@ from pathlib import Path
 import pytest
 from alembic.autogenerate import compare_metadata
 from alembic.migration import MigrationContext
+from alembic.script import ScriptDirectory
 from sqlalchemy import inspect
 
 from ampwatch.server import migrate
@@ -19,11 +20,12 @@ def test_upgrade_head_matches_models(
 ) -> None:
     monkeypatch.chdir(tmp_path)  # the packaged migrations are found from any directory
     migrate.upgrade(db_url)
+    head = ScriptDirectory.from_config(migrate.alembic_config(db_url)).get_current_head()
     engine = make_engine(db_url)
     try:
         with engine.connect() as connection:
             assert compare_metadata(MigrationContext.configure(connection), Base.metadata) == []
-            assert MigrationContext.configure(connection).get_current_revision() == "0001"
+            assert MigrationContext.configure(connection).get_current_revision() == head
         assert set(inspect(engine).get_table_names()) == set(Base.metadata.tables) | {
             "alembic_version"
         }

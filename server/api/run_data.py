@@ -1,0 +1,167 @@
+"""`/api/v1/runs/{id}/...`: a run's data -- steps, layer statistics, histograms, events.
+
+Every series is downsampled on the server (`ampwatch.server.series`, min/max per bucket),
+so a 100k-step run answers in a browser-sized payload by default; `start`/`end` zoom in
+and `max_points` trades detail for size. All parameters are optional: callers of the
+first API (`/steps`, `/layers?stat=`) keep working and get the downsampled answer only
+for runs longer than the defaults.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import orjson
+from fastapi import APIRouter, HTTPException, Query, Response
+from pydantic import BaseModel
+from sqlalchemy.orm import Session
+
+from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS
+from ampwatch.server import history, queries, series
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.schemas import (
+    MAX_BIGINT,
+    MAX_INT,
+    CheckpointsPublic,
+    EventsPublic,
+    LayerHistograms,
+    LayerMatrix,
+    LayerSeries,
+    StepSeries,
+)
+
+router = APIRouter(prefix="/runs", tags=["run data"], responses=RUN_ERRORS)
+
+#: Defaults sized for a chart ~1,000 px wide: two points (min, max) per pixel column.
+DEFAULT_MAX_POINTS = 2000
+DEFAULT_HEATMAP_STEPS = 500
+DEFAULT_HEATMAP_LAYERS = 500
+DEFAULT_HISTOGRAMS = 200
+#: An explicit limit, so that no request can ask for an unbounded answer by accident.
+MAX_POINTS_LIMIT = 1_000_000
+
+RankQuery = Annotated[int, Query(ge=0, le=MAX_INT, description="Data-parallel rank.")]
+StartQuery = Annotated[
+    int | None, Query(ge=0, le=MAX_BIGINT, description="First step (inclusive).")
+]
+EndQuery = Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Last step (inclusive).")]
+#: Parameter statistics (columns: the run's layers) and activation statistics (columns:
+#: its leaf modules) share the layer-statistic endpoints.
+STATS = (*LAYER_STATS, *ACTIVATION_STATS)
+StatQuery = Annotated[str, Query(description=f"One of {', '.join(STATS)}.")]
+
+
+def _json(answer: BaseModel) -> Response:
+    """The answer written by orjson, skipping FastAPI's re-validation of the return value
+    (the response model stays declared on the route, for OpenAPI)."""
+    return Response(orjson.dumps(dict(answer)), media_type="application/json")
+
+
+def _known_stat(stat: str) -> str:
+    if stat not in STATS:
+        raise HTTPException(
+            status_code=422, detail=f"unknown statistic {stat!r}; expected one of {STATS}"
+        )
+    return stat
+
+
+def _layer_idx(session: Session, run_id: int, layer: str, stat: str = LAYER_STATS[0]) -> int:
+    idx = series.layer_index(session, run_id, layer, stat)
+    if idx is None:
+        raise HTTPException(status_code=404, detail=f"run {run_id} has no layer {layer!r}")
+    return int(idx)
+
+
+@router.get("/{run_id}/steps", response_model=StepSeries)
+def get_steps(
+    run_id: RunIdDep,
+    session: SessionDep,
+    rank: RankQuery = 0,
+    start: StartQuery = None,
+    end: EndQuery = None,
+    max_points: Annotated[
+        int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")
+    ] = DEFAULT_MAX_POINTS,
+) -> Response:
+    """One rank's steps as columns ordered by step, min/max-downsampled beyond max_points."""
+    return _json(
+        series.step_series(session, run_id, rank, start=start, end=end, max_points=max_points)
+    )
+
+
+@router.get("/{run_id}/layers", response_model=LayerMatrix)
+def get_layers(
+    run_id: RunIdDep,
+    session: SessionDep,
+    stat: StatQuery = LAYER_STATS[0],
+    rank: RankQuery = 0,
+    start: StartQuery = None,
+    end: EndQuery = None,
+    max_steps: Annotated[
+        int, Query(ge=1, le=MAX_POINTS_LIMIT, description="Most rows (step buckets).")
+    ] = DEFAULT_HEATMAP_STEPS,
+    max_layers: Annotated[
+        int, Query(ge=1, le=MAX_POINTS_LIMIT, description="Most columns (layer groups).")
+    ] = DEFAULT_HEATMAP_LAYERS,
+) -> Response:
+    """One per-layer statistic as a steps x layers matrix, bucket maxima beyond the limits."""
+    return _json(series.layer_matrix(
+        session, run_id, _known_stat(stat), rank,
+        start=start, end=end, max_steps=max_steps, max_layers=max_layers,
+    ))
+
+
+@router.get("/{run_id}/layers/{layer:path}/series", response_model=LayerSeries)
+def get_layer_series(
+    run_id: RunIdDep,
+    layer: str,
+    session: SessionDep,
+    stat: StatQuery = LAYER_STATS[0],
+    rank: RankQuery = 0,
+    start: StartQuery = None,
+    end: EndQuery = None,
+    max_points: Annotated[
+        int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")
+    ] = DEFAULT_MAX_POINTS,
+) -> Response:
+    """One layer's statistic over steps, min/max-downsampled beyond max_points."""
+    return _json(series.layer_series(
+        session, run_id, layer, _layer_idx(session, run_id, layer, _known_stat(stat)), stat, rank,
+        start=start, end=end, max_points=max_points,
+    ))
+
+
+@router.get("/{run_id}/layers/{layer:path}/histograms", response_model=LayerHistograms)
+def get_layer_histograms(
+    run_id: RunIdDep,
+    layer: str,
+    session: SessionDep,
+    rank: RankQuery = 0,
+    step: Annotated[
+        int | None, Query(ge=0, le=MAX_BIGINT, description="Exactly this step.")
+    ] = None,
+    start: StartQuery = None,
+    end: EndQuery = None,
+    max_points: Annotated[
+        int, Query(ge=1, le=MAX_POINTS_LIMIT, description="Most histograms returned.")
+    ] = DEFAULT_HISTOGRAMS,
+) -> Response:
+    """One layer's gradient exponent histograms at `step`, or over [start, end] thinned."""
+    if step is not None:
+        start = end = step
+    return _json(history.layer_histograms(
+        session, run_id, layer, _layer_idx(session, run_id, layer), rank,
+        start=start, end=end, max_points=max_points,
+    ))
+
+
+@router.get("/{run_id}/events")
+def get_events(run_id: RunIdDep, session: SessionDep) -> EventsPublic:
+    """A run's events in time order."""
+    return queries.run_events(session, run_id)
+
+
+@router.get("/{run_id}/checkpoints")
+def get_checkpoints(run_id: RunIdDep, session: SessionDep) -> CheckpointsPublic:
+    """The checkpoints the agent reported, in time order (the restart advisor's candidates)."""
+    return history.run_checkpoints(session, run_id)

@@ -1,0 +1,70 @@
+"""One layer's exponent histograms and a run's checkpoints: the restart advisor's inputs."""
+
+from __future__ import annotations
+
+import numpy as np
+from sqlalchemy import select
+from sqlalchemy.orm import Session
+
+from ampwatch.server.models import Event, LayerHistogram
+from ampwatch.server.schemas import CheckpointPublic, CheckpointsPublic, LayerHistograms
+
+
+def layer_histograms(
+    session: Session,
+    run_id: int,
+    layer: str,
+    idx: int,
+    rank: int,
+    *,
+    start: int | None = None,
+    end: int | None = None,
+    max_points: int,
+) -> LayerHistograms:
+    """The layer's histograms at steps in [start, end], evenly thinned to <= max_points.
+
+    Thinned, not merged: a histogram summed over steps would blur exactly the drift toward
+    the underflow range that a reader compares step against step.
+    """
+    conditions = [
+        LayerHistogram.run_id == run_id,
+        LayerHistogram.rank == rank,
+        LayerHistogram.layer_idx == idx,
+    ]
+    if start is not None:
+        conditions.append(LayerHistogram.step >= start)
+    if end is not None:
+        conditions.append(LayerHistogram.step <= end)
+    rows = session.execute(
+        select(LayerHistogram.step, LayerHistogram.first_bin, LayerHistogram.counts)
+        .where(*conditions)
+        .order_by(LayerHistogram.step)
+    ).all()
+    rows = rows[:: -(-len(rows) // max_points)] if len(rows) > max_points else rows
+    return LayerHistograms.model_construct(
+        layer=layer,
+        rank=rank,
+        steps=[step for step, _, _ in rows],
+        offsets=[first_bin for _, first_bin, _ in rows],
+        counts=[np.frombuffer(counts, dtype="<i8").tolist() for _, _, counts in rows],
+    )
+
+
+def run_checkpoints(session: Session, run_id: int) -> CheckpointsPublic:
+    """The run's `checkpoint` events in time order."""
+    events = session.scalars(
+        select(Event)
+        .where(Event.run_id == run_id, Event.kind == "checkpoint")
+        .order_by(Event.time, Event.id)
+    )
+    return CheckpointsPublic(
+        checkpoints=[
+            CheckpointPublic(
+                step=event.step,
+                time=event.time.timestamp(),
+                path=str(event.data["path"]) if event.data.get("path") is not None else None,
+                data=event.data,
+            )
+            for event in events
+        ]
+    )

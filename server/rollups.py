@@ -1,0 +1,73 @@
+"""Step rollups: min, max and skip count of every step field per `ROLLUP_WIDTH` steps.
+
+Written by ingest (`refresh_step_rollups`, in the batch's transaction), read by the
+downsampled step series (`ampwatch.server.series`). A rollup row is always recomputed from
+the raw `steps` rows of its bucket, never merged incrementally, so a step re-sent with a
+new value cannot leave a stale extreme behind, and NaN ordering is the database's own
+(NaN above every number, in SQLite as the text 'NaN' and in PostgreSQL natively) on the
+raw and the rolled-up path alike.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from sqlalchemy import Integer, case, func, select
+from sqlalchemy.orm import Session
+
+from ampwatch.agent.wire import STEP_FLOAT_FIELDS
+from ampwatch.server.db import dialect_insert
+from ampwatch.server.models import Step, StepRollup
+
+#: Steps per rollup bucket. 100k steps become ~1,600 rollup rows, a short scan; a batch of
+#: the agent's (up to 2,000 records) touches a few dozen buckets.
+ROLLUP_WIDTH = 64
+
+#: Rollup columns in table order after the key, as (name, aggregate over raw steps).
+ROLLUP_COLUMNS: tuple[str, ...] = (
+    "first_step",
+    "last_step",
+    "skipped_count",
+    *(f"{field}_{extreme}" for field in STEP_FLOAT_FIELDS for extreme in ("min", "max")),
+)
+
+
+def step_aggregates() -> list[Any]:
+    """SELECT expressions aggregating raw steps into the order of `ROLLUP_COLUMNS`."""
+    columns: list[Any] = [
+        func.min(Step.step),
+        func.max(Step.step),
+        func.sum(case((Step.skipped, 1), else_=0), type_=Integer),
+    ]
+    for field in STEP_FLOAT_FIELDS:
+        column = getattr(Step, field)
+        columns += [func.min(column), func.max(column)]
+    return columns
+
+
+def refresh_step_rollups(
+    session: Session, run_id: int, spans: Iterable[tuple[int, int, int]]
+) -> None:
+    """Recompute the rollups covering steps `first..last` of `rank`, per (rank, first, last).
+
+    >>> refresh_step_rollups(session, run.id, [(0, 1, 2000)])  # doctest: +SKIP
+    """
+    for rank, first, last in spans:
+        low = first // ROLLUP_WIDTH * ROLLUP_WIDTH
+        high = last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1
+        bucket = (Step.step // ROLLUP_WIDTH) * ROLLUP_WIDTH
+        recomputed = (
+            select(Step.run_id, Step.rank, bucket, *step_aggregates())
+            .where(Step.run_id == run_id, Step.rank == rank, Step.step.between(low, high))
+            .group_by(Step.run_id, Step.rank, bucket)
+        )
+        statement = dialect_insert(session, StepRollup).from_select(
+            ["run_id", "rank", "bucket_start", *ROLLUP_COLUMNS], recomputed
+        )
+        session.execute(
+            statement.on_conflict_do_update(
+                index_elements=["run_id", "rank", "bucket_start"],
+                set_={name: statement.excluded[name] for name in ROLLUP_COLUMNS},
+            )
+        )

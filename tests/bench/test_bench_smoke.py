@@ -1,0 +1,27 @@
+"""The benches still run: each `--quick` on SQLite (the figures themselves are not tested:
+bars are measured by running the benches, not by timed unit tests)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[2] / "bench"
+
+
+@pytest.mark.parametrize("script", ["ingest.py", "query.py"])
+def test_bench_quick_runs_and_reports(script: str) -> None:
+    done = subprocess.run(
+        [sys.executable, str(BENCH / script), "--quick", "--backend", "sqlite"],
+        capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    # Exit 1 only means a bar was missed on a loaded machine; loss or a crash is a failure.
+    assert done.returncode in (0, 1), done.stderr
+    assert "Traceback" not in done.stderr
+    if script == "ingest.py":
+        assert "zero loss" in done.stdout, done.stdout
+    else:
+        assert "heatmap" in done.stdout, done.stdout
