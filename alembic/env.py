@@ -39,6 +39,14 @@ def run_migrations_online() -> None:
     engine = make_engine(database_url(), poolclass=pool.NullPool)
     try:
         with engine.connect() as connection:
+            if connection.dialect.name == "sqlite":
+                # Batch mode rebuilds a table by copying it and dropping the original; with
+                # foreign keys enforced that DROP would cascade-delete every child row. The
+                # pragma is a no-op inside a transaction, so it goes to the driver before
+                # the migration's transaction begins (NullPool: the connection is discarded).
+                connection.connection.driver_connection.execute(  # type: ignore[union-attr]
+                    "PRAGMA foreign_keys=OFF"
+                )
             context.configure(
                 connection=connection,
                 target_metadata=target_metadata,
@@ -47,6 +55,10 @@ def run_migrations_online() -> None:
             )
             with context.begin_transaction():
                 context.run_migrations()
+            if connection.dialect.name == "sqlite":
+                broken = connection.exec_driver_sql("PRAGMA foreign_key_check").all()
+                if broken:
+                    raise RuntimeError(f"migration left dangling foreign keys: {broken[:5]}")
     finally:
         engine.dispose()
 

@@ -21,9 +21,9 @@ import httpx
 from dash import Input, Output, dcc, html
 
 from ampwatch.dashboard import ids
-from ampwatch.dashboard.urls import href, page_path
 from ampwatch.dashboard.client import CollectorClient
 from ampwatch.dashboard.pages import run, runs
+from ampwatch.dashboard.urls import href, page_path
 
 RUN_PATH = re.compile(r"^run/(\d+)$")
 
@@ -62,15 +62,17 @@ def create_dash_app(
     *,
     requests_pathname_prefix: str = "/",
     transport: httpx.BaseTransport | None = None,
+    token: str | None = None,
 ) -> dash.Dash:
     """A dashboard reading from the collector at `api_url`.
 
     Mounted under a prefix (the collector mounts it at `/dashboard` through a2wsgi, which
     passes the prefix as SCRIPT_NAME), give that prefix as `requests_pathname_prefix`:
     the browser needs it in every URL, while Flask's routes stay at `/`.
-    `transport` is for tests (`httpx.MockTransport`).
+    `transport` is for tests (`httpx.MockTransport`); `token` is sent as a bearer token
+    to a collector that requires one.
     """
-    client = CollectorClient(api_url, transport=transport)
+    client = CollectorClient(api_url, transport=transport, token=token)
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,

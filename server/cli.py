@@ -1,4 +1,4 @@
-"""The `ampwatch` command: `serve`, `demo`, `db upgrade|downgrade`.
+"""The `ampwatch` command: `serve`, `demo`, `db upgrade|downgrade`, `token create|list|revoke`.
 
 argparse rather than a CLI framework: four subcommands do not justify a dependency, and
 the collector host installs as little as possible.
@@ -7,6 +7,7 @@ the collector host installs as little as possible.
 from __future__ import annotations
 
 import argparse
+import os
 import sys
 from collections.abc import Sequence
 
@@ -96,6 +97,52 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_upload(args: argparse.Namespace) -> int:
+    from ampwatch.agent.upload import upload
+
+    if not os.path.exists(args.path):
+        print(f"ampwatch upload: {args.path} does not exist", file=sys.stderr)
+        return 2
+    url = args.url or os.environ.get("AMPWATCH_URL") or _settings(args).public_url
+    token = args.token or os.environ.get("AMPWATCH_TOKEN")
+    report = upload(args.path, url, token=token)
+    print(
+        f"{args.path} -> {url}: {report.stored} batches stored, {report.duplicates} "
+        f"already there, {report.rejected} rejected, {report.corrupt} unreadable, "
+        f"{report.unsent} not sent"
+    )
+    return 0 if report.complete else 1
+
+
+def cmd_token(args: argparse.Namespace) -> int:
+    from ampwatch.server import auth, migrate
+    from ampwatch.server.db import make_engine, make_sessionmaker
+
+    settings = _settings(args)
+    migrate.upgrade(settings.database_url)  # a first command on a fresh database works too
+    engine = make_engine(settings.database_url)
+    try:
+        with make_sessionmaker(engine)() as session:
+            if args.action == "create":
+                issued = auth.create_token(session, project=args.project, name=args.name or "")
+                scope = f"project {issued.project!r}" if issued.project else "every project"
+                print(f"token {issued.prefix} ({issued.name}) for {scope}; shown only now:")
+                print(issued.token)
+            elif args.action == "revoke":
+                if not auth.revoke_token(session, args.prefix):
+                    print(f"no token {args.prefix!r}; see: ampwatch token list", file=sys.stderr)
+                    return 1
+                print(f"token {args.prefix} revoked")
+            else:
+                for info in auth.list_tokens(session):
+                    state = f"revoked {info.revoked_at:%Y-%m-%d}" if info.revoked_at else "active"
+                    project = info.project or "(admin: every project)"
+                    print(f"{info.prefix}  {project}  {info.name}  {state}")
+    finally:
+        engine.dispose()
+    return 0
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(
         prog="ampwatch",
@@ -133,6 +180,32 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("revision", nargs="?", help="target revision (upgrade: head; downgrade: base)")
     db.add_argument("--database-url", help="SQLAlchemy URL (AMPWATCH_DATABASE_URL)")
     db.set_defaults(func=cmd_db)
+
+    token = sub.add_parser("token", help="API tokens: create, list, revoke")
+    token_sub = token.add_subparsers(dest="action", required=True)
+    create = token_sub.add_parser("create", help="create a token and print it (once)")
+    scope = create.add_mutually_exclusive_group(required=True)
+    scope.add_argument("--project", help="the project whose runs the token reads and writes")
+    scope.add_argument(
+        "--admin", action="store_true", help="a token for every project (operators, /metrics)"
+    )
+    create.add_argument("--name", help="a label shown by `ampwatch token list`")
+    token_sub.add_parser("list", help="list tokens (their public prefixes; never secrets)")
+    revoke = token_sub.add_parser("revoke", help="revoke a token by its prefix")
+    revoke.add_argument("prefix", help="the token's prefix, as `ampwatch token list` shows")
+    for p in token_sub.choices.values():
+        p.add_argument("--database-url", help="SQLAlchemy URL (AMPWATCH_DATABASE_URL)")
+    token.set_defaults(func=cmd_token)
+
+    upload = sub.add_parser(
+        "upload",
+        help="send an offline file, or a spool directory left behind, to a collector",
+        description="Batches carry their (run, stream, seq): uploading twice stores nothing twice.",
+    )
+    upload.add_argument("path", help="offline file (AMPWATCH_OFFLINE_FILE) or spool directory")
+    upload.add_argument("--url", help="collector URL (AMPWATCH_URL, default http://127.0.0.1:8765)")
+    upload.add_argument("--token", help="project token (AMPWATCH_TOKEN)")
+    upload.set_defaults(func=cmd_upload)
     return parser
 
 

@@ -8,10 +8,14 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
-from fastapi import FastAPI
-from fastapi.responses import RedirectResponse
+from fastapi import Depends, FastAPI, Request
+from fastapi.responses import JSONResponse, RedirectResponse
 
-from ampwatch.server.api import health, ingest, runs
+from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.server import auth, metrics, migrate
+from ampwatch.server.api import health, ingest, run_data, runs
+from ampwatch.server.api import metrics as metrics_api
+from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.settings import Settings
 
@@ -23,26 +27,46 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     """Build the collector for `settings` (default: from `AMPWATCH_*` variables).
 
     The database schema is not created here: apply migrations first
-    (`ampwatch.server.migrate.upgrade`), as `ampwatch serve` does.
+    (`ampwatch.server.migrate.upgrade`), as `ampwatch serve` does. Startup fails when
+    the collector would listen beyond loopback with no token (`auth.check_exposure`).
     """
     settings = settings or Settings()
     engine = make_engine(settings.database_url)
+    sessions = make_sessionmaker(engine)
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        with sessions() as session:
+            auth.check_exposure(session, settings)
         yield
         engine.dispose()
 
     app = FastAPI(title="ampwatch collector", version="1", lifespan=lifespan)
     app.state.settings = settings
     app.state.engine = engine
-    app.state.sessionmaker = make_sessionmaker(engine)
+    app.state.sessionmaker = sessions
+    app.state.migration_head = migrate.head_revision()
+    app.state.ingest_counters = metrics.IngestCounters()
+    app.add_middleware(
+        metrics.CountRejections, path=INGEST_PATH, counters=app.state.ingest_counters
+    )
+    app.add_exception_handler(auth.AuthError, _auth_error)
     app.include_router(health.router)
-    app.include_router(ingest.router, prefix=API_PREFIX)
-    app.include_router(runs.router, prefix=API_PREFIX)
+    # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
+    authenticated = {"dependencies": [Depends(get_principal)], "responses": AUTH_ERRORS}
+    app.include_router(metrics_api.router, **authenticated)
+    app.include_router(ingest.router, prefix=API_PREFIX, **authenticated)
+    app.include_router(runs.router, prefix=API_PREFIX, **authenticated)
+    app.include_router(run_data.router, prefix=API_PREFIX, **authenticated)
     if settings.dashboard:
         _mount_dashboard(app, settings)
     return app
+
+
+def _auth_error(_request: Request, error: auth.AuthError) -> JSONResponse:
+    # RFC 6750: a 401 names the scheme the client should use.
+    headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
+    return JSONResponse({"detail": error.message}, status_code=error.status, headers=headers)
 
 
 def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
@@ -52,8 +76,11 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
 
     from ampwatch.dashboard.app import create_dash_app
 
+    token = settings.dashboard_token
     dash = create_dash_app(
-        api_url=settings.public_url, requests_pathname_prefix=f"{DASHBOARD_PATH}/"
+        api_url=settings.public_url,
+        requests_pathname_prefix=f"{DASHBOARD_PATH}/",
+        token=token.get_secret_value() if token is not None else None,
     )
     app.mount(DASHBOARD_PATH, WSGIMiddleware(dash.server))  # type: ignore[arg-type]
 

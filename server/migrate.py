@@ -10,6 +10,7 @@ from pathlib import Path
 
 from alembic import command
 from alembic.config import Config
+from alembic.script import ScriptDirectory
 
 import ampwatch.migrations
 
@@ -37,3 +38,11 @@ def upgrade(database_url: str, revision: str = "head") -> None:
 def downgrade(database_url: str, revision: str) -> None:
     """Migrate the database at `database_url` down to `revision` (`"base"`: no tables)."""
     command.downgrade(alembic_config(database_url), revision)
+
+
+def head_revision() -> str:
+    """The newest revision these migrations define (what `upgrade` brings a database to)."""
+    head = ScriptDirectory.from_config(alembic_config("")).get_current_head()
+    if head is None:  # pragma: no cover - the package always ships migrations
+        raise RuntimeError("no migrations found in ampwatch.migrations")
+    return head

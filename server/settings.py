@@ -7,8 +7,9 @@ environment, so every knob has exactly one home.
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, SecretStr, model_validator
 from pydantic_settings import BaseSettings, SettingsConfigDict
 
 #: Hosts that mean "every interface" when binding but cannot be dialled as a destination.
@@ -48,6 +49,22 @@ class Settings(BaseSettings):
         default=32 * 1024 * 1024,
         gt=0,
         description="Largest ingest body accepted, compressed or decompressed (413 above).",
+    )
+    auth: Literal["auto", "open", "token"] = Field(
+        default="auto",
+        description="auto: open while no token exists and the collector listens on loopback "
+        "only, token-checked otherwise; token: always checked; open: never checked "
+        "(an explicit override, e.g. behind an authenticating proxy).",
+    )
+    admin_token: SecretStr | None = Field(
+        default=None,
+        min_length=16,  # it opens every project: no short, guessable ones
+        description="A bearer token (16+ characters) that may read and write every project.",
+    )
+    dashboard_token: SecretStr | None = Field(
+        default=None,
+        description="Token the mounted dashboard sends to this collector's API; whoever "
+        "can open /dashboard/ sees what this token may read.",
     )
 
     @model_validator(mode="after")

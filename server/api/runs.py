@@ -4,61 +4,107 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query
+from fastapi import APIRouter, HTTPException, Query, Request, Response
+from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import LAYER_STATS
-from ampwatch.server import queries
-from ampwatch.server.api.deps import RunIdDep, SessionDep
+from ampwatch.agent.wire import MAX_NAME_LENGTH
+from ampwatch.server import lifecycle, queries
+from ampwatch.server.api.deps import NOT_YOURS, RUN_ERRORS, PrincipalDep, RunIdDep, SessionDep
+from ampwatch.server.auth import project_for_new_data
+from ampwatch.server.models import RunStatus
 from ampwatch.server.schemas import (
     MAX_INT,
-    EventsPublic,
-    LayerMatrix,
+    RunCreate,
+    RunEnd,
     RunPublic,
     RunsPublic,
-    StepSeries,
 )
 
 router = APIRouter(prefix="/runs", tags=["runs"])
 
-RankQuery = Annotated[int, Query(ge=0, le=MAX_INT, description="Data-parallel rank.")]
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
 
 
-@router.get("")
-def list_runs(session: SessionDep) -> RunsPublic:
-    """Every run, newest first."""
-    return queries.list_runs(session)
+@router.get("", responses=NOT_YOURS)
+def list_runs(
+    session: SessionDep,
+    principal: PrincipalDep,
+    project: Annotated[
+        str | None, Query(description="Only this project's runs (a project token: its own).")
+    ] = None,
+    status: Annotated[RunStatus | None, Query(description="running or ended.")] = None,
+    q: Annotated[
+        str | None, Query(max_length=MAX_NAME_LENGTH, description="Text the run name contains.")
+    ] = None,
+    limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Page size.")] = DEFAULT_PAGE,
+    offset: Annotated[int, Query(ge=0, le=MAX_INT, description="Runs to skip.")] = 0,
+) -> RunsPublic:
+    """Runs newest first, filtered, one page at a time (limit/offset, with the total).
+
+    Offset paging, not cursors: a runs list is short (thousands of rows), and people jump
+    to page N. A project token lists only its project's runs.
+    """
+    if project is not None:
+        principal.check_project(project)
+    return queries.list_runs(
+        session,
+        project=principal.project or project,
+        status=status,
+        name_contains=q,
+        limit=limit,
+        offset=offset,
+    )
 
 
-@router.get("/{run_id}")
+@router.post(
+    "",
+    status_code=201,
+    responses={200: {"model": RunPublic, "description": "An existing run, resumed"}, **NOT_YOURS},
+)
+def create_run(
+    body: RunCreate,
+    request: Request,
+    response: Response,
+    session: SessionDep,
+    principal: PrincipalDep,
+) -> RunPublic:
+    """Create a run (201), or resume the one with this client_run_id (200): idempotent."""
+    with request.app.state.sessionmaker() as check:
+        project = project_for_new_data(check, principal, body.client_run_id, body.project)
+    run_id, created = lifecycle.create_or_resume(
+        session, client_run_id=body.client_run_id, name=body.name, project=project
+    )
+    response.status_code = 201 if created else 200
+    return _read_run(session, run_id)
+
+
+@router.get("/{run_id}", responses=RUN_ERRORS)
 def get_run(run_id: RunIdDep, session: SessionDep) -> RunPublic:
+    return _read_run(session, run_id)
+
+
+@router.post("/{run_id}/end", responses=RUN_ERRORS)
+def end_run(run_id: RunIdDep, session: SessionDep, body: RunEnd | None = None) -> RunPublic:
+    """Mark the run ended (idempotent: ending an ended run changes nothing)."""
+    if not lifecycle.end_run(session, run_id, reason=body.reason if body else None):
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return _read_run(session, run_id)
+
+
+@router.delete("/{run_id}", status_code=204, responses=RUN_ERRORS)
+def delete_run(run_id: RunIdDep, session: SessionDep) -> Response:
+    """Delete the run and all its data (steps, layers, histograms, events) at once."""
+    if not lifecycle.delete_run(session, run_id):
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return Response(status_code=204)
+
+
+def _read_run(session: Session, run_id: int) -> RunPublic:
     run = queries.get_run(session, run_id)
     if run is None:  # deleted between the existence check and this read
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     return run
 
 
-@router.get("/{run_id}/steps")
-def get_steps(run_id: RunIdDep, session: SessionDep, rank: RankQuery = 0) -> StepSeries:
-    """One rank's steps as columns ordered by step."""
-    return queries.step_series(session, run_id, rank)
-
-
-@router.get("/{run_id}/layers")
-def get_layers(
-    run_id: RunIdDep,
-    session: SessionDep,
-    stat: Annotated[str, Query(description=f"One of {', '.join(LAYER_STATS)}.")] = LAYER_STATS[0],
-    rank: RankQuery = 0,
-) -> LayerMatrix:
-    """One per-layer statistic as a steps x layers matrix."""
-    if stat not in LAYER_STATS:
-        raise HTTPException(
-            status_code=422, detail=f"unknown statistic {stat!r}; expected one of {LAYER_STATS}"
-        )
-    return queries.layer_matrix(session, run_id, stat, rank)
-
-
-@router.get("/{run_id}/events")
-def get_events(run_id: RunIdDep, session: SessionDep) -> EventsPublic:
-    """A run's events in time order."""
-    return queries.run_events(session, run_id)
+# A run's data (steps, layers, histograms, events, checkpoints): `run_data.py`.

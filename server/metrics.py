@@ -1,0 +1,161 @@
+"""`/metrics` in the Prometheus text exposition format (version 0.0.4), written by hand.
+
+Two kinds of series, named so that nobody mistakes one for the other:
+
+- Read from the database at scrape time, so every worker answers the same: runs by
+  project and status, stored batches by project, and each running run's lag (seconds
+  since its last batch). Gauges, because deleting a run lowers them.
+- Counted by this process, labelled `pid`: batches, duplicates, steps and layer values
+  accepted, and ingest requests rejected, by reason. They describe traffic that is not
+  stored (a rejected batch leaves no row), so they cannot come from the database; with
+  several workers, scrape each one (a container per worker), as for any Prometheus
+  client, and `sum without (pid)`.
+
+No prometheus_client dependency: eight series do not need one, and its multi-process
+mode needs a shared directory that several hosts do not have.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections import Counter
+from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from datetime import datetime
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ampwatch.server.models import IngestedBatch, Run
+from ampwatch.server.schemas import BatchIn
+
+CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
+
+#: Why an ingest request was refused, by HTTP status (`IngestCounters.record_rejection`).
+REJECTION_REASONS = {
+    400: "bad_encoding",
+    401: "unauthenticated",
+    403: "forbidden",
+    413: "too_large",
+    415: "unsupported_encoding",
+    422: "invalid",
+}
+
+
+class IngestCounters:
+    """This process's ingest traffic; one instance per app (`app.state.ingest_counters`)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()  # endpoints run on a thread pool
+        self.batches = 0
+        self.duplicates = 0
+        self.steps = 0
+        self.layer_values = 0
+        self.rejected: Counter[str] = Counter()
+
+    def record_batch(self, batch: BatchIn, *, duplicate: bool) -> None:
+        """Count an acknowledged batch; a duplicate's contents were not stored again."""
+        values = sum(len(r.names) * len(r.stats) for r in batch.layer_stats)
+        with self._lock:
+            if duplicate:
+                self.duplicates += 1
+                return
+            self.batches += 1
+            self.steps += len(batch.steps)
+            self.layer_values += values
+
+    def record_rejection(self, status: int) -> None:
+        with self._lock:
+            self.rejected[REJECTION_REASONS.get(status, str(status))] += 1
+
+
+Message = MutableMapping[str, Any]
+ASGIApp = Callable[
+    [Message, Callable[[], Awaitable[Message]], Callable[[Message], Awaitable[None]]],
+    Awaitable[None],
+]
+
+
+class CountRejections:
+    """ASGI middleware counting 4xx answers to `POST path`, wherever they were raised
+    (body limits and auth answer before the endpoint runs)."""
+
+    def __init__(self, app: ASGIApp, *, path: str, counters: IngestCounters) -> None:
+        self.app = app
+        self.path = path
+        self.counters = counters
+
+    async def __call__(
+        self,
+        scope: Message,
+        receive: Callable[[], Awaitable[Message]],
+        send: Callable[[Message], Awaitable[None]],
+    ) -> None:
+        if scope["type"] != "http" or scope["method"] != "POST" or scope["path"] != self.path:
+            await self.app(scope, receive, send)
+            return
+
+        async def counting_send(message: Message) -> None:
+            if message["type"] == "http.response.start" and 400 <= message["status"] < 500:
+                self.counters.record_rejection(message["status"])
+            await send(message)
+
+        await self.app(scope, receive, counting_send)
+
+
+def _escape(value: str) -> str:
+    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
+
+
+def _family(
+    name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]
+) -> list[str]:
+    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
+    for labels, value in samples:
+        text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
+        number = str(value) if isinstance(value, int) else repr(float(value))
+        lines.append(f"{name}{{{text}}} {number}" if text else f"{name} {number}")
+    return lines
+
+
+def render(session: Session, counters: IngestCounters, *, now: datetime) -> str:
+    """The exposition text: database series, then this process's counters."""
+    runs = session.execute(
+        select(Run.project, Run.status, func.count()).group_by(Run.project, Run.status)
+    ).all()
+    batches = session.execute(
+        select(Run.project, func.count())
+        .select_from(IngestedBatch)
+        .join(Run, Run.id == IngestedBatch.run_id)
+        .group_by(Run.project)
+    ).all()
+    running = session.execute(
+        select(Run.id, Run.project, Run.name, Run.last_seen_at).where(Run.status == "running")
+    ).all()
+    pid = {"pid": str(os.getpid())}
+    with counters._lock:
+        lines = [
+            *_family("ampwatch_runs", "gauge", "Runs stored, by project and status.",
+                     (({"project": p, "status": s}, n) for p, s, n in runs)),
+            *_family("ampwatch_stored_batches", "gauge", "Batches stored, by project.",
+                     (({"project": p}, n) for p, n in batches)),
+            *_family("ampwatch_run_lag_seconds", "gauge",
+                     "Seconds since a running run's last batch arrived.",
+                     (({"project": p, "run_id": str(i), "run": name},
+                       (now - seen).total_seconds()) for i, p, name, seen in running)),
+            *_family("ampwatch_ingest_batches_total", "counter",
+                     "Batches stored by this process.", [(pid, counters.batches)]),
+            *_family("ampwatch_ingest_duplicate_batches_total", "counter",
+                     "Batches this process acknowledged as already stored.",
+                     [(pid, counters.duplicates)]),
+            *_family("ampwatch_ingest_steps_total", "counter",
+                     "Step records stored by this process.", [(pid, counters.steps)]),
+            *_family("ampwatch_ingest_layer_values_total", "counter",
+                     "Layer-statistic values stored by this process.",
+                     [(pid, counters.layer_values)]),
+            *_family("ampwatch_ingest_rejected_total", "counter",
+                     "Ingest requests this process refused, by reason.",
+                     (({**pid, "reason": r}, n) for r, n in sorted(counters.rejected.items()))),
+        ]  # fmt: skip
+    return "\n".join(lines) + "\n"
