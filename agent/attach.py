@@ -1,4 +1,4 @@
-"""`watch()`: attach the agent to a model, optimizer and (optional) GradScaler.
+"""`watch()`: attach the agent to a model, its optimizers and (optional) GradScaler.
 
 Per optimizer step the training thread launches a few device reductions, stacks the step's
 scalars into one tensor, starts its copy to the host and hands it to the sender thread; it
@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 import weakref
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from types import TracebackType
 from typing import Any
 
@@ -22,17 +22,31 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent import wire
-from ampwatch.agent.hooks import ActivationNorm, find_final_layer
-from ampwatch.agent.records import LayerSample, StepSample
-from ampwatch.agent.scaler import ScalerTap, found_inf_total, scaler_config
-from ampwatch.agent.stats import RunningMean, nonzero_counts
-from ampwatch.agent.summary import fp16_params, guess_precision, model_summary, process_info
+from ampwatch.agent import clipping, config, wire
+from ampwatch.agent.hooks import (
+    ActivationMaxAbs,
+    ActivationNorm,
+    PrecisionProbe,
+    find_final_layer,
+)
+from ampwatch.agent.manual import manual_sample
+from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
+from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two, scaler_config
+from ampwatch.agent.stats import RunningMean, global_grad_norm, gradient_range, named_grads
+from ampwatch.agent.summary import (
+    BF16,
+    FP8,
+    FP16,
+    guess_precision,
+    model_summary,
+    optimizer_summary,
+    params_of_dtype,
+    process_info,
+    sends_steps,
+)
 from ampwatch.agent.transport import Sender, Transport, http_transport
 
 logger = logging.getLogger("ampwatch.agent")
-
-DEFAULT_URL = "http://127.0.0.1:8765"
 
 #: Objects some live handle is attached to; a second `watch()` on one of them is an error.
 _attached: weakref.WeakSet[object] = weakref.WeakSet()
@@ -46,7 +60,8 @@ class Lifecycle(enum.Enum):
 
 class WatchHandle:
     """What `watch()` returns. Like torch's `RemovableHandle`: `detach()` is idempotent and
-    removes everything the agent attached; the handle is also a context manager."""
+    removes everything the agent attached; the handle is also a context manager. A disabled
+    handle accepts every call and records nothing."""
 
     def __init__(self, *, client_run_id: str, state: Lifecycle) -> None:
         self.client_run_id = client_run_id
@@ -74,9 +89,29 @@ class WatchHandle:
     def log_loss(self, loss: torch.Tensor) -> None:
         """Report the loss of a micro-batch when no GradScaler is watched (no host sync)."""
 
+    def record(
+        self,
+        *,
+        step: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor | None = None,
+        skipped: bool | torch.Tensor | None = None,
+        grad_norm: float | torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
+    ) -> None:
+        """Record one optimizer step by hand (see `ampwatch.agent.manual`); never raises."""
+
     def checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> None:
         """Record that a checkpoint was saved at `step` (default: the current step)."""
         self._event("checkpoint", self._step if step is None else step, {"path": os.fspath(path)})
+
+    def save_checkpoint(
+        self, obj: object, path: str | os.PathLike[str], step: int | None = None
+    ) -> None:
+        """`torch.save(obj, path)`, then `checkpoint(path, step)`. A failed save raises as
+        torch.save does and records nothing; a disabled agent still saves."""
+        torch.save(obj, path)
+        self.checkpoint(path, step)
 
     def detach(
         self, status: str = "finished", reason: str | None = None, *, timeout: float = 5.0
@@ -121,48 +156,68 @@ class WatchHandle:
 
 
 class _AttachedHandle(WatchHandle):
-    """The live handle: owns the hooks, the scaler tap and the sender."""
+    """The live handle: owns the hooks, the scaler tap, the clip check and the sender."""
 
     def __init__(
         self,
         model: nn.Module,
-        optimizer: torch.optim.Optimizer,
+        optimizers: list[torch.optim.Optimizer],
         scaler: torch.amp.GradScaler | None,
         *,
         sender: Sender,
-        layer_stats_every: int,
+        settings: config.Config,
+        measure_grad_norm: bool,
         final_layer: tuple[str, nn.Module, bool] | None,
         client_run_id: str,
         rank: int,
+        send_steps: bool,
+        activation_max_abs: bool,
     ) -> None:
         super().__init__(client_run_id=client_run_id, state=Lifecycle.ATTACHED)
         self._model = model
-        self._optimizer = optimizer
+        self._optimizers = optimizers
         self._scaler = scaler
         self._sender = sender
         self._send = sender.put
-        self._every = layer_stats_every
+        self._every = settings.layer_stats_every
+        self._grad_norm = measure_grad_norm
         self._rank = rank
+        self._send_steps = send_steps
         self._loss = RunningMean()
-        self._pending_layers: LayerSample | None = None
+        self._pending: tuple[torch.Tensor | None, LayerSample | None] = (None, None)
+        self._reported: set[str] = set()
+        self._tap: ScalerTap | None = None
         self._act: ActivationNorm | None = None
         if final_layer is not None:
             self._act = ActivationNorm(self._on_error)
             self._add_hook(self._act.attach(final_layer[1], final_layer[2]))
+        self._act_max: ActivationMaxAbs | None = None
+        if activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
+            self._act_max = ActivationMaxAbs(model, self._on_error)
+            self._act_max.arm()  # step 1 is sampled
+            self._detach_actions.append(self._act_max.disarm)
+        device = next((p.device.type for p in model.parameters()), "cpu")
+        self._add_hook(PrecisionProbe(device, self._on_precision, self._on_error).attach(model))
         if scaler is not None:
-            tap = ScalerTap(
+            self._tap = ScalerTap(
                 scaler,
                 before_update=self._before_update,
                 after_update=self._emit,
                 on_error=self._on_error,
             )
-            tap.attach()
-            self._loss = tap.loss
-            self._detach_actions.append(tap.detach)
-        else:
-            self._add_hook(optimizer.register_step_pre_hook(self._optimizer_pre_step))
-            self._add_hook(optimizer.register_step_post_hook(self._optimizer_post_step))
-        self._watched = [o for o in (model, optimizer, scaler) if o is not None]
+            self._tap.attach()
+            self._loss = self._tap.loss
+            self._detach_actions.append(self._tap.detach)
+            check = clipping.ScaledClipCheck(
+                scaler, optimizers, self._on_scaled_clip, self._on_error
+            )
+            self._detach_actions.append(clipping.register(check))
+        elif optimizers:
+            # Several optimizers without a scaler: the first one's step is the training step.
+            first = optimizers[0]
+            self._add_hook(first.register_step_pre_hook(self._optimizer_pre_step))
+            self._add_hook(first.register_step_post_hook(self._optimizer_post_step))
+        self._watched = [o for o in (model, *optimizers, scaler) if o is not None]
         _attached.update(self._watched)
         atexit.register(self._at_exit)
         self._detach_actions.insert(0, self._release)
@@ -173,6 +228,37 @@ class _AttachedHandle(WatchHandle):
         try:
             value = loss.detach()
             self._loss.add(value.float().mean() if value.dim() else value)
+        except Exception as exc:
+            self._on_error(exc)
+
+    def record(
+        self,
+        *,
+        step: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor | None = None,
+        skipped: bool | torch.Tensor | None = None,
+        grad_norm: float | torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
+    ) -> None:
+        if self._state is not Lifecycle.ATTACHED:
+            return
+        try:
+            number = self._step + 1 if step is None else int(step)
+            logged = self._loss.take()  # log_loss() calls since the last step
+            values: dict[str, object] = {
+                "loss": logged if loss is None else loss,
+                "loss_scale": loss_scale,
+                "found_inf": skipped,
+                "grad_norm": grad_norm,
+                "lr": lr,
+            }
+            if self._act is not None and (act := self._act.take()) is not None:
+                values["act_norm_mean"], values["act_norm_max"] = act
+            sample = manual_sample(number, self._rank, values, _to_host)
+            self._step = number
+            if self._send_steps:
+                self._send(sample)
         except Exception as exc:
             self._on_error(exc)
 
@@ -187,34 +273,90 @@ class _AttachedHandle(WatchHandle):
     def _at_exit(self) -> None:
         self.detach("exited", reason="the process exited without detach()")
 
+    def _finding(self, code: str, message: str, **details: Any) -> None:
+        """Send a finding once per run: a recurring misuse is one finding, not one per step."""
+        if code not in self._reported:
+            self._reported.add(code)
+            step = self._step if self._step else None
+            self._event("finding", step, {"code": code, "message": message, **details})
+
+    def _on_precision(self, kind: str, detail: dict[str, Any]) -> None:
+        if kind == "fp8_modules":
+            self._finding("fp8_in_use", "FP8 modules run under FP8 autocast", **detail)
+            return
+        dtype = detail["dtype"]
+        if dtype == torch.bfloat16:
+            self._finding(
+                "bf16_in_use", "bfloat16 autocast is on", source="autocast", **_str(detail)
+            )
+        elif dtype == torch.float16 and self._scaler is None and self._optimizers:
+            self._finding(
+                "fp16_params_without_scaler",
+                "float16 autocast is on and no enabled GradScaler is watched: small "
+                "gradients will underflow to zero",
+                source="autocast",
+                **_str(detail),
+            )
+
+    def _on_scaled_clip(self, optimizers: list[str]) -> None:
+        self._finding(
+            "clip_before_unscale",
+            "clip_grad_norm_ ran on gradients still multiplied by the loss scale: call "
+            "scaler.unscale_(optimizer) before clipping",
+            optimizers=optimizers,
+            at_step=self._step + 1,
+        )
+
     # --- per step, on the training thread ------------------------------------------------
 
-    def _layer_sample(self, step: int) -> LayerSample | None:
-        """Zero counts on sampled steps; a failure here costs the sample, not the step."""
+    def _layer_sample(
+        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+    ) -> LayerSample | None:
+        """Range statistics (and activation max-abs) on sampled steps; a failure costs the
+        sample, not the step."""
         if (step - 1) % self._every != 0:
             return None
         try:
-            counted = nonzero_counts(self._model.named_parameters())
-            if counted is None:
+            activations = None
+            if self._act_max is not None and (peaks := self._act_max.take()) is not None:
+                activations = (peaks[0], *_to_host(peaks[1]))
+            names, tensors = grads
+            if not tensors:
                 return None
-            names, numels, nonzero = counted
-            host, ready = _to_host(nonzero)
-            return LayerSample(step, self._rank, names, numels, host, ready)
+            device = tensors[0].device
+            if scale is None:
+                scale = torch.ones((), dtype=torch.float32, device=device)
+            direct = (
+                self._tap is not None
+                and self._scaler is not None
+                and (self._tap.scale_left_powers_of_two or not keeps_power_of_two(self._scaler))
+            )
+            values, ready = _to_host(gradient_range(tensors, scale, direct=direct))
+            numels = [t.numel() for t in tensors]
+            return LayerSample(step, self._rank, names, numels, values, ready, direct, activations)
         except Exception as exc:
             self._on_error(exc)
             return None
+
+    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+        return global_grad_norm(grads) if self._grad_norm and grads else None
 
     def _step_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample:
         if (loss := self._loss.take()) is not None:
             scalars["loss"] = loss
         if self._act is not None and (act := self._act.take()) is not None:
             scalars["act_norm_mean"], scalars["act_norm_max"] = act
-        lr: Any = self._optimizer.param_groups[0]["lr"]
-        if isinstance(lr, torch.Tensor):  # a tensor lr (capturable optimizers)
-            if lr.device.type == "cpu":
-                lr = float(lr)
-            else:
-                scalars["lr"], lr = lr.detach(), None
+        host: dict[str, float | None] = {}
+        # `lr` is the first optimizer's first group; `lr_groups` every group of every
+        # optimizer, in order, when there is more than one (run_start lists them all).
+        lrs: list[Any] = [g.get("lr") for o in self._optimizers for g in o.param_groups]
+        if lrs:
+            _add_lr(scalars, host, "lr", lrs[0])
+        groups = 0
+        if len(lrs) > 1 and all(isinstance(lr, (torch.Tensor, float, int)) for lr in lrs):
+            groups = len(lrs)
+            for i, lr in enumerate(lrs):
+                _add_lr(scalars, host, lr_group_field(i), lr)
         values: torch.Tensor | None = None
         ready = None
         if scalars:
@@ -224,11 +366,12 @@ class _AttachedHandle(WatchHandle):
                     [t.to(device, torch.float32, non_blocking=True) for t in scalars.values()]
                 )
             )
-        return StepSample(step, self._rank, tuple(scalars), values, ready, lr)
+        return StepSample(step, self._rank, tuple(scalars), values, ready, host, groups)
 
-    def _before_update(self) -> tuple[StepSample, LayerSample | None] | None:
+    def _before_update(self) -> tuple[StepSample | None, LayerSample | None] | None:
         """Scaler path, just before the real `update()`: the scale in effect for this step,
-        its found-inf flags, and (sampled steps) grads already unscaled by `step()`."""
+        its found-inf flags, and grads already unscaled by `step()` (fused optimizers
+        unscale inside their kernel; on a skipped fused step the grads stay scaled)."""
         assert self._scaler is not None
         scale = self._scaler._get_scale_async()
         if scale is None:
@@ -237,27 +380,62 @@ class _AttachedHandle(WatchHandle):
         if found_inf is None:
             return None
         step = self._step + 1
-        layers = self._layer_sample(step)
-        sample = self._step_sample(step, {"loss_scale": scale, "found_inf": found_inf})
+        grads = named_grads(self._model.named_parameters())
+        layers = self._layer_sample(step, grads, scale)
+        sample = None
+        if self._send_steps:
+            scalars = {"loss_scale": scale, "found_inf": found_inf}
+            if (norm := self._norm(grads[1])) is not None:
+                scalars["grad_norm"] = norm
+            sample = self._step_sample(step, scalars)
         return sample, layers
 
-    def _emit(self, prepared: tuple[StepSample, LayerSample | None]) -> None:
+    def _emit(self, prepared: tuple[StepSample | None, LayerSample | None]) -> None:
         sample, layers = prepared
-        self._step = sample.step
-        self._send(sample)
+        self._step += 1
+        if self._act_max is not None and self._step % self._every == 0:
+            self._act_max.arm()  # the next step is sampled: hook its forwards
+        if sample is not None:
+            self._send(sample)
         if layers is not None:
             self._send(layers)
 
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """No-scaler path: grads as the optimizer will see them (scaled, if the loop scales)."""
-        self._pending_layers = self._layer_sample(self._step + 1)
+        try:
+            grads = named_grads(self._model.named_parameters())
+            norm = self._norm(grads[1]) if self._send_steps else None
+            self._pending = (norm, self._layer_sample(self._step + 1, grads, None))
+        except Exception as exc:
+            self._on_error(exc)
 
     def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            self._emit((self._step_sample(self._step + 1, {}), self._pending_layers))
-            self._pending_layers = None
+            norm, layers = self._pending
+            self._pending = (None, None)
+            sample = None
+            if self._send_steps:
+                sample = self._step_sample(
+                    self._step + 1, {} if norm is None else {"grad_norm": norm}
+                )
+            self._emit((sample, layers))
         except Exception as exc:
             self._on_error(exc)
+
+
+def _add_lr(
+    scalars: dict[str, torch.Tensor], host: dict[str, float | None], name: str, lr: Any
+) -> None:
+    """A tensor lr (capturable optimizers) rides the step's device copy: float() on it would
+    be a host sync; a Python number is already on the host."""
+    if isinstance(lr, torch.Tensor):
+        scalars[name] = lr.detach()
+    elif lr is not None:
+        host[name] = float(lr)
+
+
+def _str(detail: dict[str, Any]) -> dict[str, Any]:
+    return {k: str(v).removeprefix("torch.") for k, v in detail.items()}
 
 
 def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
@@ -270,20 +448,36 @@ def _to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | Non
     return host, ready
 
 
-def _env_disabled() -> bool:
-    return os.environ.get("AMPWATCH_DISABLED", "").strip().lower() in ("1", "true", "yes", "on")
+def _shared_run_id(run_id: str | None, world_size: int) -> str:
+    """Every rank must report under one run: the configured id, else rank 0's, broadcast
+    once at attach (a collective: with torch.distributed initialized, every rank calls
+    `watch()`, as every rank constructs DDP), else a fresh one."""
+    if run_id is not None:
+        return run_id
+    fresh = uuid.uuid4().hex
+    if world_size == 1:
+        return fresh
+    shared = [fresh]
+    torch.distributed.broadcast_object_list(shared, src=0)
+    return str(shared[0])
 
 
 def watch(
     model: nn.Module,
-    optimizer: torch.optim.Optimizer,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None = None,
     scaler: torch.amp.GradScaler | None = None,
     *,
     run: str | None = None,
-    project: str = "default",
+    run_id: str | None = None,
+    project: str | None = None,
     url: str | None = None,
-    layer_stats_every: int = 20,
+    token: str | None = None,
+    offline_file: str | os.PathLike[str] | None = None,
+    layer_stats_every: int | None = None,
+    grad_norm: bool = True,
     final_layer: str | None = None,
+    steps_from_every_rank: bool = False,
+    activation_max_abs: bool = False,
     flush_interval: float = 1.0,
     max_queue: int = 10_000,
     transport: Transport | None = None,
@@ -303,33 +497,50 @@ def watch(
             optimizer.zero_grad()
         handle.detach()
 
-    `layer_stats_every` (N, default 20): per-parameter zero fractions are measured at steps
-    1, N+1, 2N+1, ... Counting zeros reads every gradient once (about 8 ms for 5.5M fp32
-    grads on a CPU core), so N=20 keeps it near 0.5% of even a fast step, while underflow
-    that stops a layer learning persists for hundreds of steps: 20 steps of resolution
-    loses nothing a detector needs.
+    One record per optimizer step: with a scaler, per `scaler.update()` (micro-batches of
+    gradient accumulation are averaged into its loss); without one, per `step()` of the
+    first optimizer. Several optimizers: `watch(model, [opt1, opt2], scaler)`. No optimizer:
+    nothing is recorded automatically; call `handle.record(...)` (`ampwatch.agent.manual`).
 
-    A scaler that is not enabled counts as no scaler. `enabled=False` or the environment
-    variable AMPWATCH_DISABLED=1 returns a handle that does nothing (no hooks, no thread).
+    `layer_stats_every` (N, default 20, or AMPWATCH_LAYER_STATS_EVERY): gradient-range
+    statistics and exponent histograms are measured at steps 1, N+1, 2N+1, ... They read
+    every gradient three times (histogram, zero count, max): bench/agent_overhead.py
+    measured a sampled step's work at ~4.4% of a 3M-parameter CPU step and the unsampled
+    per-step work at ~0.3%, so N=20 keeps the total near 0.5% (GPU bar: 1%), while
+    underflow that stops a layer learning persists for hundreds of steps.
+    `grad_norm` (default on): the unscaled global L2 norm every step (one fast pass).
+    `activation_max_abs` (default off): at the same sampled steps, max |output| of every
+    leaf module (overflow headroom for FP16/FP8 activations), sent with the layer
+    statistics (so not with `handle.record()` alone). Off by default: it adds a reduction
+    per leaf module to a sampled step's forwards.
+
+    `token` is sent as `Authorization: Bearer <token>`; `offline_file` writes batches to
+    that file only (send it later with `ampwatch upload FILE`). Arguments win over
+    AMPWATCH_* environment variables (`ampwatch.agent.config`).
+    `enabled=False` or AMPWATCH_DISABLED=1 returns a handle that does nothing (no hooks, no
+    thread). Distributed: rank 0 sends step scalars (all ranks with
+    `steps_from_every_rank`), every rank its layer statistics, all tagged with their rank.
     Raises TypeError/ValueError on misuse, RuntimeError if an object is already watched.
     """
-    client_run_id = uuid.uuid4().hex
-    if not enabled or _env_disabled():
-        return WatchHandle(client_run_id=client_run_id, state=Lifecycle.DISABLED)
-    _check_arguments(
-        model,
-        optimizer,
-        scaler,
-        run,
-        project,
-        layer_stats_every,
-        flush_interval,
-        max_queue,
-        transport,
+    settings = config.resolve(
+        url=url,
+        token=token,
+        run=run,
+        run_id=run_id,
+        project=project,
+        layer_stats_every=layer_stats_every,
+        offline_file=None if offline_file is None else os.fspath(offline_file),
+        enabled=enabled,
     )
+    if not settings.enabled:
+        return WatchHandle(
+            client_run_id=settings.run_id or uuid.uuid4().hex, state=Lifecycle.DISABLED
+        )
+    optimizers = _optimizer_list(optimizer)
+    _check_arguments(model, optimizers, scaler, settings, flush_interval, max_queue, transport)
     if scaler is not None and not scaler.is_enabled():
         scaler = None
-    for obj in (model, optimizer, scaler):
+    for obj in (model, *optimizers, scaler):
         if obj is not None and obj in _attached:
             raise RuntimeError(
                 f"this {type(obj).__name__} is already watched; detach() the first handle "
@@ -337,20 +548,34 @@ def watch(
             )
     head = find_final_layer(model, final_layer)
     info = process_info()
-    name = run if run is not None else f"{type(model).__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if transport is None:
-        transport = http_transport(url or os.environ.get("AMPWATCH_URL") or DEFAULT_URL)
-    run_ref: wire.RunRef = {"client_run_id": client_run_id, "name": name, "project": project}
-    sender = Sender(run_ref, transport, flush_interval=flush_interval, max_queue=max_queue)
+    client_run_id = _shared_run_id(settings.run_id, info["world_size"])
+    name = settings.run or f"{type(model).__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
+    if transport is None and settings.offline_file is None:
+        transport = http_transport(settings.url)
+    run_ref: wire.RunRef = {"client_run_id": client_run_id, "name": name}
+    if settings.project is not None:
+        run_ref["project"] = settings.project
+    sender = Sender(
+        run_ref,
+        transport,
+        token=settings.token,
+        offline_file=settings.offline_file,
+        flush_interval=flush_interval,
+        max_queue=max_queue,
+    )
+    send_steps = sends_steps(info["rank"], every_rank=steps_from_every_rank)
     handle = _AttachedHandle(
         model,
-        optimizer,
+        optimizers,
         scaler,
         sender=sender,
-        layer_stats_every=layer_stats_every,
+        settings=settings,
+        measure_grad_norm=grad_norm,
         final_layer=head,
         client_run_id=client_run_id,
         rank=info["rank"],
+        send_steps=send_steps,
+        activation_max_abs=activation_max_abs,
     )
     sender.start()
     handle._event(
@@ -358,65 +583,97 @@ def watch(
         None,
         {
             "model": model_summary(model),
-            "optimizer": type(optimizer).__qualname__,
+            "optimizers": [optimizer_summary(o) for o in optimizers],
             "scaler": scaler_config(scaler) if scaler is not None else None,
             "precision": guess_precision(model, scaler is not None),
             "final_layer": None
             if head is None
             else {"name": head[0], "measures": "input" if head[2] else "output"},
-            "layer_stats_every": layer_stats_every,
+            "layer_stats_every": settings.layer_stats_every,
+            "grad_norm": grad_norm,
+            "activation_max_abs": activation_max_abs,
+            "mode": "automatic" if optimizers else "manual",
+            "step_scalars_from": "every rank" if steps_from_every_rank else "rank 0",
             **info,
         },
     )
-    if scaler is None and (half := fp16_params(model)):
-        handle._event(
-            "finding",
-            None,
-            {
-                "code": "fp16_params_without_scaler",
-                "message": f"{len(half)} parameter tensors are float16 and no enabled GradScaler "
-                "is watched: small gradients will underflow to zero",
-                "params": half[:20],
-                "count": len(half),
-            },
-        )
+    _attach_findings(handle, model, scaler is None and bool(optimizers))
     return handle
+
+
+def _attach_findings(handle: _AttachedHandle, model: nn.Module, unscaled: bool) -> None:
+    """Findings the parameters already show (autocast shows at the first forward)."""
+    if unscaled and (half := params_of_dtype(model, FP16)):
+        handle._finding(
+            "fp16_params_without_scaler",
+            f"{len(half)} parameter tensors are float16 and no enabled GradScaler "
+            "is watched: small gradients will underflow to zero",
+            source="parameters",
+            params=half[:20],
+            count=len(half),
+        )
+    if bf16 := params_of_dtype(model, BF16):
+        handle._finding(
+            "bf16_in_use",
+            f"{len(bf16)} parameter tensors are bfloat16",
+            source="parameters",
+            params=bf16[:20],
+            count=len(bf16),
+        )
+    if fp8 := params_of_dtype(model, FP8, buffers=True):
+        handle._finding(
+            "fp8_in_use",
+            f"{len(fp8)} parameter or buffer tensors are stored in an FP8 dtype",
+            source="parameters",
+            params=fp8[:20],
+            count=len(fp8),
+        )
+
+
+def _optimizer_list(optimizer: object) -> list[torch.optim.Optimizer]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, torch.optim.Optimizer):
+        return [optimizer]
+    if isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
+        optimizers = list(optimizer)
+        if all(isinstance(o, torch.optim.Optimizer) for o in optimizers):
+            return optimizers
+    raise TypeError(
+        "optimizer must be a torch.optim.Optimizer, a list of them, or None (record steps "
+        f"with handle.record()), got {type(optimizer).__name__}"
+    )
 
 
 def _check_arguments(
     model: object,
-    optimizer: object,
+    optimizers: list[torch.optim.Optimizer],
     scaler: object,
-    run: str | None,
-    project: str,
-    layer_stats_every: int,
+    settings: config.Config,
     flush_interval: float,
     max_queue: int,
     transport: object,
 ) -> None:
     if not isinstance(model, nn.Module):
         raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if not isinstance(optimizer, torch.optim.Optimizer):
-        raise TypeError(
-            f"optimizer must be a torch.optim.Optimizer, got {type(optimizer).__name__}"
-        )
     if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
         raise TypeError(
             f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
         )
-    for label, value in (("run", run), ("project", project)):
+    if scaler is not None and not optimizers:
+        raise ValueError(
+            "a scaler needs the optimizer(s) it steps: watch(model, optimizer, scaler)"
+        )
+    for label, value in (("run", settings.run), ("project", settings.project)):
         if value is not None and not (
             isinstance(value, str) and 0 < len(value) <= wire.MAX_NAME_LENGTH
         ):
             raise ValueError(
                 f"{label} must be a non-empty string of at most {wire.MAX_NAME_LENGTH} characters"
             )
-    if (
-        isinstance(layer_stats_every, bool)
-        or not isinstance(layer_stats_every, int)
-        or layer_stats_every < 1
-    ):
-        raise ValueError(f"layer_stats_every must be an int >= 1, got {layer_stats_every!r}")
+    every = settings.layer_stats_every
+    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
+        raise ValueError(f"layer_stats_every must be an int >= 1, got {every!r}")
     if not flush_interval > 0:
         raise ValueError(f"flush_interval must be > 0 seconds, got {flush_interval!r}")
     if not isinstance(max_queue, int) or max_queue < 1:

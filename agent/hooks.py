@@ -1,4 +1,5 @@
-"""The final-layer activation norm: which module to watch, and the forward hook that measures it.
+"""Forward hooks: the final-layer activation norm (which module, and the hook that measures
+it), the optional per-leaf-module activation max-abs, and the precision probe.
 
 OPT-175B's divergences came with a spike in the L2 norm of the final layer's activations
 (metaseq logs it as `actv_norm`, the norm of the final hidden state per token).
@@ -6,6 +7,7 @@ OPT-175B's divergences came with a spike in the L2 norm of the final layer's act
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -85,3 +87,112 @@ class ActivationNorm:
             self._max = peak if self._max is None else torch.maximum(self._max, peak)
         except Exception as exc:  # never let the agent break a forward pass
             self._on_error(exc)
+
+
+class PrecisionProbe:
+    """Looks once, at the first graph-building forward, at what the parameters cannot show:
+    the autocast dtype in effect (`torch.get_autocast_dtype`), and Transformer Engine modules
+    running FP8 (their `fp8` flag, set inside their forward when `te.autocast` enables it;
+    read after the forward, so a root forward hook sees it). Reports (code, detail) pairs,
+    then removes itself."""
+
+    def __init__(
+        self,
+        device_type: str,
+        report: Callable[[str, dict[str, Any]], None],
+        on_error: Callable[[BaseException], None],
+    ) -> None:
+        self._device_type = device_type
+        self._report = report
+        self._on_error = on_error
+        self._handle: RemovableHandle | None = None
+
+    def attach(self, model: nn.Module) -> RemovableHandle:
+        self._handle = model.register_forward_hook(self._hook)
+        return self._handle
+
+    def _hook(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        try:
+            if self._handle is not None:
+                self._handle.remove()
+            if torch.is_autocast_enabled(self._device_type):
+                dtype = torch.get_autocast_dtype(self._device_type)
+                self._report("autocast", {"device_type": self._device_type, "dtype": dtype})
+            fp8 = [name for name, m in model.named_modules() if getattr(m, "fp8", False) is True]
+            if fp8:
+                self._report("fp8_modules", {"modules": fp8})
+        except Exception as exc:
+            self._on_error(exc)
+
+
+#: The label of the model itself when it is its own only leaf (its module path is "").
+ROOT_MODULE = "(model)"
+
+
+class ActivationMaxAbs:
+    """Max |output| of every leaf module over the forwards of a sampled step, in fp32.
+
+    FP16 overflows at 65504 and FP8 E4M3 at 448: an activation's headroom is its max-abs
+    against those. The forward hooks exist only while a sampled step runs (`arm()` after
+    the previous step, `take()` at its end removes them), so unsampled steps pay nothing.
+    Each hook launches one device reduction (`vector_norm(ord=inf)`: max |x|, computed in
+    fp32; exact, since it selects one element and fp16/bf16 widen to fp32 exactly) and
+    folds micro-batches by `maximum`, on the device: no host sync. Only forwards that build
+    a graph count, as for `ActivationNorm`.
+    """
+
+    def __init__(self, model: nn.Module, on_error: Callable[[BaseException], None]) -> None:
+        self._on_error = on_error
+        self._leaves = [
+            (name or ROOT_MODULE, module)
+            for name, module in model.named_modules()
+            if next(module.children(), None) is None
+        ]
+        self._handles: list[RemovableHandle] = []
+        self._peaks: dict[str, torch.Tensor] = {}
+
+    def arm(self) -> None:
+        """Hook every leaf module for the next step (no-op when already armed)."""
+        if self._handles:
+            return
+        for name, module in self._leaves:
+            self._handles.append(module.register_forward_hook(self._hook_for(name)))
+
+    def disarm(self) -> None:
+        """Remove the hooks; what they measured is dropped (detach calls this)."""
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
+        self._peaks = {}
+
+    def take(self) -> tuple[list[str], torch.Tensor] | None:
+        """(module paths, their max-abs as one fp32 device tensor) since `arm()`, or None
+        when no hooked module ran; disarms."""
+        peaks = self._peaks
+        self.disarm()
+        if not peaks:
+            return None
+        return list(peaks), torch.stack(list(peaks.values()))
+
+    def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
+        def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+            if not torch.is_grad_enabled():
+                return
+            try:
+                if isinstance(output, (tuple, list)) and output:
+                    output = output[0]  # e.g. an nn.LSTM's (output, (h, c))
+                if (
+                    not isinstance(output, torch.Tensor)
+                    or not output.is_floating_point()
+                    or output.numel() == 0
+                ):
+                    return
+                peak = torch.linalg.vector_norm(output.detach(), ord=math.inf, dtype=torch.float32)
+                old = self._peaks.get(name)
+                self._peaks[name] = peak if old is None else torch.maximum(old, peak)
+            except Exception as exc:  # never let the agent break a forward pass
+                self._on_error(exc)
+
+        return hook

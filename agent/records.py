@@ -7,36 +7,49 @@ arithmetic, so no statistic costs a host sync where it is measured.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
 from ampwatch.agent import wire
-from ampwatch.agent.stats import zero_fractions
+from ampwatch.agent.stats import histogram_spans, range_fractions
 
 
 @dataclass(slots=True)
 class StepSample:
-    """One optimizer step: `values` (CPU, maybe still being copied) aligned with `fields`."""
+    """One optimizer step: `values` (CPU, maybe still being copied) aligned with `fields`,
+    plus values already on the host (`host`: a float lr, numbers given to `record()`).
+    `found_inf` > 0 in either means the step was skipped. `lr_groups` > 1: the lr of group
+    i is field `lr_group_field(i)` (in `fields` when it was a device tensor, else in `host`).
+    """
 
     step: int
     rank: int
     fields: tuple[str, ...]
     values: torch.Tensor | None
     ready: torch.cuda.Event | None
-    lr: float | None
+    host: dict[str, float | None] = field(default_factory=dict)
+    lr_groups: int = 0
+
+
+def lr_group_field(index: int) -> str:
+    """The sample field holding param group `index`'s learning rate."""
+    return f"lr_group.{index}"
 
 
 @dataclass(slots=True)
 class LayerSample:
-    """Non-zero gradient counts per parameter tensor at a sampled step."""
+    """The `stats.gradient_range` tensor of a sampled step, per parameter tensor `names`;
+    `activations`: (leaf module paths, their max-abs, copy event) when measured."""
 
     step: int
     rank: int
     names: list[str]
     numels: list[int]
-    nonzero: torch.Tensor
+    values: torch.Tensor
     ready: torch.cuda.Event | None
+    direct: bool
+    activations: tuple[list[str], torch.Tensor, torch.cuda.Event | None] | None = None
 
 
 def _wait(ready: torch.cuda.Event | None) -> None:
@@ -46,30 +59,39 @@ def _wait(ready: torch.cuda.Event | None) -> None:
 
 def step_record(sample: StepSample) -> wire.StepRecord:
     _wait(sample.ready)
-    values = dict(
-        zip(sample.fields, sample.values.tolist() if sample.values is not None else (), strict=True)
-    )
-    lr = values.get("lr", sample.lr)
+    values: dict[str, float | None] = dict(sample.host)
+    if sample.values is not None:
+        values.update(zip(sample.fields, sample.values.tolist(), strict=True))
     found_inf = values.get("found_inf")
-    return {
+    record: wire.StepRecord = {
         "step": sample.step,
         "loss": wire.encode_float(values.get("loss")),
         "loss_scale": wire.encode_float(values.get("loss_scale")),
         "skipped": found_inf is not None and found_inf > 0,
-        "grad_norm": None,
-        "lr": wire.encode_float(lr),
+        "grad_norm": wire.encode_float(values.get("grad_norm")),
+        "lr": wire.encode_float(values.get("lr")),
         "act_norm_mean": wire.encode_float(values.get("act_norm_mean")),
         "act_norm_max": wire.encode_float(values.get("act_norm_max")),
         "rank": sample.rank,
     }
+    if sample.lr_groups > 1:
+        groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
+        record["lr_groups"] = [wire.encode_float(v) for v in groups]
+    return record
 
 
 def layer_record(sample: LayerSample) -> wire.LayerStatsRecord:
     _wait(sample.ready)
-    fractions = zero_fractions(sample.numels, sample.nonzero.tolist())
-    return {
+    stats, hists = range_fractions(sample.values.tolist(), sample.numels, direct=sample.direct)
+    record: wire.LayerStatsRecord = {
         "step": sample.step,
         "rank": sample.rank,
         "names": sample.names,
-        "stats": {"zero_fraction": wire.encode_floats(fractions)},
+        "stats": {name: wire.encode_floats(values) for name, values in stats.items()},
+        "exponent_histograms": histogram_spans(hists),
     }
+    if sample.activations is not None:
+        names, max_abs, ready = sample.activations
+        _wait(ready)
+        record["activations"] = {"names": names, "max_abs": wire.encode_floats(max_abs.tolist())}
+    return record

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from ampwatch.agent import wire
-from ampwatch.agent.stats import RunningMean
+from ampwatch.agent.stats import RunningMean, power_of_two_exponent
 
 _MISSING = object()
 
@@ -50,6 +50,21 @@ def found_inf_total(scaler: torch.amp.GradScaler, device: torch.device) -> torch
     return flags[0] if len(flags) == 1 else torch.stack(flags).sum()
 
 
+def keeps_power_of_two(scaler: torch.amp.GradScaler) -> bool:
+    """Whether the scale stays a power of two: its start (`_init_scale`, which
+    `load_state_dict` also sets) and both factors are, read from attributes (no sync).
+    Decides on the training thread whether the range statistics need direct counts; the
+    sender thread checks the copied scale itself before using the histogram shift."""
+    values = (
+        getattr(scaler, "_init_scale", None),
+        getattr(scaler, "_growth_factor", None),
+        getattr(scaler, "_backoff_factor", None),
+    )
+    return all(
+        isinstance(v, (int, float)) and power_of_two_exponent(float(v)) is not None for v in values
+    )
+
+
 class ScalerTap:
     """Patches `scale` and `update` on ONE scaler instance and restores them exactly.
 
@@ -71,6 +86,8 @@ class ScalerTap:
         self._after_update = after_update
         self._on_error = on_error
         self.loss = RunningMean()
+        #: Set once `update(new_scale)` sets a scale that may not be a power of two.
+        self.scale_left_powers_of_two = False
         self._originals: dict[str, Any] = {}
         self._saved: dict[str, Any] = {}
 
@@ -104,6 +121,10 @@ class ScalerTap:
             self._on_error(exc)
             prepared = None
         self._originals["update"](new_scale)
+        if new_scale is not None and (
+            isinstance(new_scale, torch.Tensor) or power_of_two_exponent(float(new_scale)) is None
+        ):
+            self.scale_left_powers_of_two = True
         if prepared is not None:
             try:
                 self._after_update(prepared)

@@ -35,12 +35,43 @@ def guess_precision(model: nn.Module, scaler_enabled: bool) -> str:
     return "fp32 or bf16 autocast"
 
 
-def fp16_params(model: nn.Module) -> list[str]:
-    return [name for name, p in model.named_parameters() if p.dtype == torch.float16]
+def params_of_dtype(
+    model: nn.Module, dtypes: set[torch.dtype], *, buffers: bool = False
+) -> list[str]:
+    """Names of parameters (and with `buffers`, buffers: FP8 weights may be kept as
+    either) stored in `dtypes`."""
+    tensors = [*model.named_parameters(), *(model.named_buffers() if buffers else ())]
+    return [name for name, t in tensors if t.dtype in dtypes]
+
+
+FP16 = {torch.float16}
+BF16 = {torch.bfloat16}
+#: Every FP8 dtype this torch knows (the set has grown across releases).
+FP8 = {
+    dtype
+    for name in ("float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")
+    if isinstance(dtype := getattr(torch, name, None), torch.dtype)
+}
+
+
+def optimizer_summary(optimizer: torch.optim.Optimizer) -> dict[str, Any]:
+    """Class and per-group settings at attach (a tensor lr is named, not read: no sync)."""
+    return {
+        "class": type(optimizer).__qualname__,
+        "fused": bool(optimizer.defaults.get("fused")),
+        "param_groups": [
+            {
+                "params": len(group["params"]),
+                "lr": "tensor" if isinstance(group.get("lr"), torch.Tensor) else group.get("lr"),
+            }
+            for group in optimizer.param_groups
+        ],
+    }
 
 
 def process_info() -> dict[str, Any]:
-    """Host, pid and distributed rank; world_size 1 / rank 0 when not initialized."""
+    """Host, pid, torch version and distributed rank; world_size 1 / rank 0 when
+    `torch.distributed` is not initialized (read at attach: initialize it first)."""
     dist = torch.distributed
     initialized = dist.is_available() and dist.is_initialized()
     return {
@@ -50,3 +81,14 @@ def process_info() -> dict[str, Any]:
         "world_size": dist.get_world_size() if initialized else 1,
         "rank": dist.get_rank() if initialized else 0,
     }
+
+
+def sends_steps(rank: int, *, every_rank: bool) -> bool:
+    """The distributed default: rank 0 alone sends step scalars (after DDP's all-reduce every
+    rank holds the same grads, scale and skip), while every rank sends its own layer
+    statistics (sharded and pipeline-parallel ranks hold different parameters).
+
+    >>> [sends_steps(r, every_rank=False) for r in (0, 1)], sends_steps(1, every_rank=True)
+    ([True, False], True)
+    """
+    return every_rank or rank == 0

@@ -39,21 +39,28 @@ def _assert_untouched(
         assert scaler.update.__func__ is torch.amp.GradScaler.update
 
 
+@pytest.mark.parametrize("activations", [False, True])
 @pytest.mark.parametrize("with_scaler", [True, False])
 def test_detach_removes_every_hook_and_patch_and_is_idempotent(
-    with_scaler: bool, collector: FakeCollector
+    with_scaler: bool, activations: bool, collector: FakeCollector
 ) -> None:
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu") if with_scaler else None
-    handle = watch(model, optimizer, scaler, transport=collector)
+    # Every step sampled: the activation hooks are armed again when detach() runs.
+    handle = watch(
+        model, optimizer, scaler, transport=collector, activation_max_abs=activations,
+        layer_stats_every=1,
+    )  # fmt: skip
     assert handle.state is Lifecycle.ATTACHED
     assert model[2]._forward_pre_hooks  # the head's input is the final hidden state
+    assert all(bool(m._forward_hooks) is activations for m in model.children())  # every leaf module
     if scaler is not None:
         assert "update" in scaler.__dict__
         _amp_step(model, optimizer, scaler)
     else:
         optimizer.step()
+    assert all(bool(m._forward_hooks) is activations for m in model.children())
     handle.detach()
     handle.detach()
 
@@ -196,7 +203,7 @@ def test_an_agent_failure_is_logged_once_counted_and_contained(
     def broken(*args: object) -> None:
         raise RuntimeError("agent bug")
 
-    monkeypatch.setattr("ampwatch.agent.attach.nonzero_counts", broken)
+    monkeypatch.setattr("ampwatch.agent.attach.gradient_range", broken)
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")

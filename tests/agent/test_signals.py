@@ -14,7 +14,7 @@ import torch.nn.functional as F
 from agent_fakes import FakeCollector
 from torch import nn
 
-from ampwatch.agent import watch
+from ampwatch.agent import watch, wire
 
 OVERFLOW_STEPS = {7, 19, 20, 33}
 STEPS = 40
@@ -46,7 +46,15 @@ def _train_and_record_truth(kind: str, collector: FakeCollector) -> dict[str, li
     handle = watch(
         model, optimizer, scaler, transport=collector, layer_stats_every=EVERY, flush_interval=0.05
     )
-    truth: dict[str, list] = {"skipped": [], "scale": [], "loss": [], "zero": [], "act": []}
+    truth: dict[str, list] = {
+        "skipped": [],
+        "scale": [],
+        "loss": [],
+        "zero": [],
+        "act": [],
+        "norm": [],
+        "grads": [],
+    }
     for step in range(1, STEPS + 1):
         x, y = torch.randn(8, 16), torch.randn(8, 4)
         with torch.autocast("cpu", dtype=torch.float16):
@@ -64,6 +72,10 @@ def _train_and_record_truth(kind: str, collector: FakeCollector) -> dict[str, li
         found = scaler._found_inf_per_device(optimizer)
         truth["skipped"].append(sum(v.item() for v in found.values()) > 0)
         truth["scale"].append(scaler.get_scale())
+        grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+        truth["norm"].append(torch.nn.utils.get_total_norm(list(grads.values())).item())
+        if (step - 1) % EVERY == 0:
+            truth["grads"].append((grads, scaler.get_scale()))
         scaler.update()
         if (step - 1) % EVERY == 0:
             truth["zero"].append(
@@ -95,7 +107,10 @@ def test_step_signals_equal_ground_truth(kind: str, collector: FakeCollector) ->
     act_mean, act_max = collector.column("act_norm_mean"), collector.column("act_norm_max")
     assert act_mean == pytest.approx([m for m, _ in truth["act"]], rel=1e-5)
     assert act_max == pytest.approx([m for _, m in truth["act"]], rel=1e-5)
-    assert collector.column("grad_norm") == [None] * STEPS
+    # The unscaled global norm, exactly as clip_grad_norm_ computes it (inf/NaN on skips).
+    encoded = [wire.encode_float(v) for v in collector.column("grad_norm")]
+    assert encoded == [wire.encode_float(v) for v in truth["norm"]]
+    assert any(math.isfinite(v) and v > 0 for v in truth["norm"])
 
 
 def optimizer_lr(kind: str) -> float:
@@ -208,3 +223,93 @@ def test_a_tensor_learning_rate_is_reported(collector: FakeCollector) -> None:
     optimizer.step()
     handle.detach()
     assert collector.column("lr") == [0.25]
+
+
+def _direct_range(grad: torch.Tensor, scale: float) -> dict[str, object]:
+    """Every range statistic computed straight from one gradient tensor, as the wire defines
+    it: |g·S| in exact (float64) arithmetic, the max as float32 computes g*S."""
+    scaled = (grad.double() * scale).abs()
+    n = grad.numel()
+    fields = (grad.float().view(torch.int32) >> 23) & 0xFF
+    hist = torch.bincount(fields.flatten().long(), minlength=256).tolist()
+    nonzero = [i for i, c in enumerate(hist) if c]
+    return {
+        "zero_fraction": int((grad == 0).sum()) / n,
+        "flush_fraction": int(((scaled < 2.0**-24) & (grad != 0)).sum()) / n,
+        "subnormal_fraction": int(((scaled >= 2.0**-24) & (scaled < 2.0**-14)).sum()) / n,
+        "max_abs_scaled": wire.encode_float(
+            (grad.float() * torch.tensor(scale, dtype=torch.float32)).abs().max().item()
+        ),
+        "offset": nonzero[0],
+        "counts": hist[nonzero[0] : nonzero[-1] + 1],
+    }
+
+
+def _assert_record_matches(record: dict, grads: dict[str, torch.Tensor], scale: float) -> None:
+    assert record["names"] == list(grads)
+    spans = record["exponent_histograms"]
+    for i, (name, grad) in enumerate(grads.items()):
+        expected = _direct_range(grad, scale)
+        got = {stat: record["stats"][stat][i] for stat in wire.LAYER_STATS}
+        got["offset"], got["counts"] = spans["offsets"][i], spans["counts"][i]
+        assert got == expected, name
+
+
+def test_gradient_range_equals_direct_computation_in_fp16_training(
+    collector: FakeCollector,
+) -> None:
+    truth = _train_and_record_truth("sgd", collector)
+
+    records = collector.layer_stats()
+    assert len(records) == len(truth["grads"])
+    for record, (grads, scale) in zip(records, truth["grads"], strict=True):
+        _assert_record_matches(record, grads, scale)
+    # Step 33 is sampled and overflowed: Inf/NaN grads sit in field 255, in no fraction.
+    overflowed = records[[r["step"] for r in records].index(33)]
+    assert any(
+        offset + len(c) == 256
+        for offset, c in zip(
+            overflowed["exponent_histograms"]["offsets"],
+            overflowed["exponent_histograms"]["counts"],
+            strict=True,
+        )
+    )
+
+
+def _wide_range_run(collector: FakeCollector, scaler: torch.amp.GradScaler) -> list[tuple]:
+    """FP32 grads spanning 1e-44..1e2 (float32 subnormals included): every range statistic
+    is non-trivial at a small scale."""
+    torch.manual_seed(3)
+    model = nn.Linear(64, 8)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+    handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=1)
+    magnitudes = 10.0 ** torch.linspace(-44, 2, 64)
+    truth = []
+    for _ in range(3):
+        loss = (model(torch.randn(4, 64) * magnitudes) ** 2).mean()
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        grads = {n: p.grad.clone() for n, p in model.named_parameters()}
+        truth.append((grads, scaler.get_scale()))
+        scaler.update()
+        optimizer.zero_grad()
+    handle.detach()
+    return truth
+
+
+@pytest.mark.parametrize(
+    "scaler_args",
+    [
+        {"init_scale": 8.0},  # a power of two: derived from the histogram, shifted
+        {"init_scale": 1000.0, "growth_factor": 3.0, "growth_interval": 1},  # counted directly
+    ],
+)
+def test_gradient_range_is_exact_for_any_scale(scaler_args: dict, collector: FakeCollector) -> None:
+    truth = _wide_range_run(collector, torch.amp.GradScaler("cpu", **scaler_args))
+
+    records = collector.layer_stats()
+    for record, (grads, scale) in zip(records, truth, strict=True):
+        _assert_record_matches(record, grads, scale)
+    stats = records[0]["stats"]
+    assert 0 < stats["flush_fraction"][0] < 1 and 0 < stats["subnormal_fraction"][0] < 1
+    assert records[0]["exponent_histograms"]["offsets"][0] == 0  # float32 subnormals/zeros

@@ -1,0 +1,89 @@
+"""The manual API: `handle.record(...)` for loops whose loss scaler is not torch's GradScaler.
+
+Attach without an optimizer (nothing is then recorded automatically; the final-layer
+activation norm still is) and call `record()` once per optimizer step, after the step.
+Every argument is optional and may be a Python number or a tensor: numbers are taken as
+they are, tensors are stacked and copied to the host without a sync, like the automatic
+path's. `record()` never raises; a bad value is logged once and counted as a hook error.
+`step` defaults to the previous step + 1; pass a Python int, not a tensor.
+
+Per framework (attribute names from `shared/reference/loss-scalers.md`, read from each
+project's source at the commits cited there; none of these loops was run here):
+
+DeepSpeed (`engine.optimizer.cur_scale` on the FP16 optimizers, `loss_scale` on ZeRO;
+`engine.skipped_steps` counts skips, `engine.was_step_applied()` says this one)::
+
+    handle = watch(engine.module)
+    for batch in loader:
+        loss = engine(batch)
+        engine.backward(loss)
+        engine.step()
+        handle.record(loss=loss.detach(), loss_scale=engine.optimizer.loss_scale,
+                      skipped=not engine.was_step_applied(), lr=engine.get_lr()[0])
+
+fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer and skips;
+`trainer.get_loss_scale()`-style accessors vary by version: `trainer.optimizer.scaler
+.loss_scale` is the value they log as `loss_scale`; unverified against a running trainer)::
+
+    skipped = False
+    try:
+        trainer.optimizer.step()
+    except OverflowError:
+        skipped = True
+    handle.record(loss=loss, loss_scale=trainer.optimizer.scaler.loss_scale, skipped=skipped)
+
+Megatron-LM (`optimizer.get_loss_scale()` returns a device tensor: pass it as is, no sync;
+`optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad))::
+
+    update_successful, grad_norm, _ = optimizer.step()
+    handle.record(loss=loss, loss_scale=optimizer.get_loss_scale(),
+                  skipped=not update_successful, grad_norm=grad_norm,
+                  lr=optimizer.param_groups[0]["lr"])
+
+Apex amp (legacy; `amp._amp_state.loss_scalers[0].loss_scale()` is a Python float and
+the scaler's `_has_overflow` is set by `scale_loss` exit; private, unverified)::
+
+    with amp.scale_loss(loss, optimizer) as scaled_loss:
+        scaled_loss.backward()
+    scaler = amp._amp_state.loss_scalers[0]
+    optimizer.step()
+    handle.record(loss=loss.detach(), loss_scale=scaler.loss_scale(),
+                  skipped=scaler._has_overflow)
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+
+import torch
+
+from ampwatch.agent.records import StepSample
+
+ToHost = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.cuda.Event | None"]]
+
+
+def manual_sample(
+    step: int, rank: int, values: Mapping[str, object], to_host: ToHost
+) -> StepSample:
+    """A StepSample from mixed numbers and tensors (None = not measured). `found_inf` is
+    the skip: a bool, a number or a tensor, > 0 meaning skipped. A number that is not
+    `int`/`float`/`bool` raises TypeError (counted by the caller)."""
+    host: dict[str, float | None] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for name, value in values.items():
+        if value is None:
+            continue
+        if isinstance(value, torch.Tensor):
+            tensors[name] = value.detach().reshape(())
+        elif isinstance(value, (bool, int, float)):
+            host[name] = float(value)
+        else:
+            raise TypeError(f"record({name}=...) takes a number or a tensor, got {type(value)}")
+    stacked: torch.Tensor | None = None
+    ready = None
+    if tensors:
+        device = next(iter(tensors.values())).device
+        stacked, ready = to_host(
+            torch.stack([t.to(device, torch.float32, non_blocking=True) for t in tensors.values()])
+        )
+    return StepSample(step, rank, tuple(tensors), stacked, ready, host)
