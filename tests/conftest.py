@@ -9,6 +9,7 @@
 - `live_collector` / `live_collector_postgres`: a real collector, see `LiveCollector`.
 - `start_collector`: the context manager behind them, for other databases or options:
   `with start_collector(db_url, dashboard=False) as live: ...`.
+- `spool_root` (autouse): `AMPWATCH_SPOOL_DIR` inside the test's tmp_path.
 """
 
 from __future__ import annotations
@@ -46,6 +47,15 @@ class LiveCollector:
     url: str
     database_url: str
     settings: Settings
+
+
+@pytest.fixture(autouse=True)
+def spool_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """Every agent's default spool directory lives in the test's tmp_path, never ~/.cache:
+    any test whose collector is down (or slow to acknowledge) spools there."""
+    root = tmp_path / "spool"
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(root))
+    return root
 
 
 @pytest.fixture

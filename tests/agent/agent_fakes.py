@@ -6,7 +6,10 @@ import gzip
 import json
 from typing import Any
 
+import torch
+
 from ampwatch.agent import wire
+from ampwatch.agent.records import LayerSample, StepSample
 
 
 class FakeCollector:
@@ -45,3 +48,21 @@ class FakeCollector:
         if name in wire.STEP_FLOAT_FIELDS:
             return [wire.decode_float(v) for v in values]
         return values
+
+
+# --- samples as the training thread hands them to the sender (transport tests) -----------
+
+
+def step_sample(step: int, loss: float | None = None) -> StepSample:
+    """A CPU step sample whose loss is `step` unless given."""
+    value = float(step) if loss is None else loss
+    return StepSample(step, 0, ("loss",), torch.tensor([value]), None)
+
+
+def layer_sample(step: int, names: tuple[str, ...] = ("w",), numel: int = 4) -> LayerSample:
+    """A sampled step whose every gradient element sits in [1, 2) (exponent field 127)."""
+    count = len(names)
+    hist = [0.0] * 256
+    hist[127] = float(numel)
+    values = hist * count + [0.0] * count + [1.0] * count + [65536.0]
+    return LayerSample(step, 0, list(names), [numel] * count, torch.tensor(values), None, False)

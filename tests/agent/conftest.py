@@ -9,3 +9,4 @@ from agent_fakes import FakeCollector
 @pytest.fixture
 def collector() -> FakeCollector:
     return FakeCollector()
+

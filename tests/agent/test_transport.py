@@ -12,11 +12,10 @@ from typing import Any
 
 import pytest
 import torch
-from agent_fakes import FakeCollector
+from agent_fakes import FakeCollector, layer_sample, step_sample
 from torch import nn
 
 from ampwatch.agent import watch, wire
-from ampwatch.agent.records import LayerSample, StepSample
 from ampwatch.agent.transport import Sender, retry_delay
 
 RUN: wire.RunRef = {"client_run_id": "c0ffee", "name": "t", "project": "default"}
@@ -51,21 +50,13 @@ def test_delay_is_capped() -> None:
 # --- Sender ------------------------------------------------------------------------------
 
 
-def _step(step: int) -> StepSample:
-    return StepSample(step, 0, ("loss",), torch.tensor([float(step)]), None, 0.1)
-
-
-def _layers(step: int) -> LayerSample:
-    return LayerSample(step, 0, ["w"], [4], torch.tensor([1]), None)
-
-
 def test_a_batch_keeps_its_seq_across_retries() -> None:
     collector = FakeCollector(statuses=[503, 500, 200])
     sender = Sender(RUN, collector, flush_interval=0.01, retry_base=0.001)
-    sender.put(_step(1))
+    sender.put(step_sample(1))
     sender.start()
     time.sleep(0.3)
-    sender.put(_step(2))
+    sender.put(step_sample(2))
     assert sender.close(timeout=5)
 
     assert [b["seq"] for b in collector.batches] == [0, 1]
@@ -74,19 +65,23 @@ def test_a_batch_keeps_its_seq_across_retries() -> None:
     assert counters["send_failures"] == 2 and counters["batches_sent"] == 2
 
 
-def test_a_rejected_batch_is_counted_as_dropped_and_its_seq_reused() -> None:
+def test_a_rejected_batch_is_counted_as_dropped_in_the_next_one() -> None:
     collector = FakeCollector(statuses=[422])
     sender = Sender(RUN, collector, flush_interval=0.01)
-    sender.put(_step(1))
-    sender.put(_layers(1))
+    sender.put(step_sample(1))
+    sender.put(layer_sample(1))
     sender.start()
     time.sleep(0.3)
-    sender.put(_step(2))
+    sender.put(step_sample(2))
     assert sender.close(timeout=5)
 
-    (batch,) = collector.batches
-    assert batch["seq"] == 0
-    assert batch["dropped"] == {"steps": 1, "layer_stats": 1, "events": 0}
+    # seq 0 was rejected and is never reused (later batches may hold 1.. already); the
+    # next batch, sent without waiting for new data, says what was lost
+    first, *rest = collector.batches
+    assert first["seq"] == 1 and first["steps"] == [] and first["layer_stats"] == []
+    assert first["dropped"] == {"steps": 1, "layer_stats": 1, "events": 0}
+    assert [b["seq"] for b in rest] == [2]
+    assert [r["step"] for r in rest[0]["steps"]] == [2]
     assert sender.counters()["batches_rejected"] == 1
 
 
@@ -94,10 +89,10 @@ def test_buffer_bound_drops_oldest_layer_stats_first() -> None:
     collector = FakeCollector()
     sender = Sender(RUN, collector, flush_interval=60.0, max_buffered=10)
     for step in range(1, 5):
-        sender.put(_layers(step))
+        sender.put(layer_sample(step))
     for step in range(1, 11):
-        sender.put(_step(step))
-    sender.put(_step(11))  # now over the bound with no layer stats left: oldest step goes
+        sender.put(step_sample(step))
+    sender.put(step_sample(11))  # now over the bound with no layer stats left: oldest step goes
     sender.start()
     assert sender.close(timeout=5)
 
@@ -113,7 +108,7 @@ def test_layer_stats_have_their_own_smaller_bound() -> None:
     collector = FakeCollector()
     sender = Sender(RUN, collector, flush_interval=60.0, max_buffered_layer_stats=3)
     for step in range(1, 6):
-        sender.put(_layers(step))
+        sender.put(layer_sample(step))
     sender.start()
     assert sender.close(timeout=5)
     assert [r["step"] for r in collector.layer_stats()] == [3, 4, 5]
@@ -124,7 +119,7 @@ def test_a_full_queue_drops_and_counts_without_blocking() -> None:
     sender = Sender(RUN, FakeCollector(), max_queue=2)
     started = time.perf_counter()
     for step in range(5):
-        sender.put(_step(step))
+        sender.put(step_sample(step))
     assert time.perf_counter() - started < 0.1
     assert sender.counters()["dropped_steps"] == 3
 
@@ -133,8 +128,8 @@ def test_close_gives_up_at_its_deadline_and_counts_what_was_unsent() -> None:
     def down(body: bytes, headers: dict[str, str]) -> int:
         raise ConnectionRefusedError
 
-    sender = Sender(RUN, down, retry_base=0.05)
-    sender.put(_step(1))
+    sender = Sender(RUN, down, retry_base=0.05, spool=False)
+    sender.put(step_sample(1))
     sender.start()
     started = time.perf_counter()
     assert sender.close(timeout=0.5) is False
@@ -246,8 +241,10 @@ def test_real_http_round_trip_sends_a_valid_gzip_batch() -> None:
         assert batch["wire_version"] == wire.WIRE_VERSION
         assert batch["run"]["client_run_id"] == handle.client_run_id
         for record in batch["steps"]:
-            assert set(record) == set(wire.StepRecord.__annotations__)
+            assert set(record) == wire.StepRecord.__required_keys__  # one param group
     assert [b["seq"] for _, b in received] == list(range(len(received)))
+    (stream,) = {b["stream"] for _, b in received}  # one sender, one stream, for good
+    assert len(stream) == 32 and int(stream, 16) >= 0
     steps = [r["step"] for _, b in received for r in b["steps"]]
     assert steps == [1, 2, 3, 4, 5]
     kinds = [e["kind"] for _, b in received for e in b["events"]]

@@ -1,0 +1,252 @@
+"""Sealed batches on disk: the spool the sender fills while the collector is unreachable,
+and the file format it shares with offline mode and `ampwatch upload`.
+
+Format: one sealed batch per line, the gzip JSON body exactly as it is POSTed, in base64.
+Lines make the file appendable by a crashing process and readable by the next one: a torn
+last line fails its base64/gzip check and is skipped, never misread as another batch; base64
+costs a third over the gzip body but keeps every frame self-delimiting without a length
+prefix that a torn write could corrupt. Each body carries its own (run, stream, seq), so a file needs
+no header, can hold several runs, and replaying it twice stores nothing twice.
+
+The spool is a directory of such files ("segments", named by their first seq, appended to,
+deleted once every batch in them is acknowledged), bounded by `max_bytes`: when full it
+empties the oldest batches of their layer statistics first, then of steps and events, and
+writes what it removed into that batch's own "dropped" field (so the count arrives with the
+seq; a batch the collector already stored is a duplicate, and nothing was lost). Only when
+the spool holds nothing but such empty batches are the oldest segments deleted.
+"""
+
+from __future__ import annotations
+
+import base64
+import binascii
+import gzip
+import json
+import os
+import uuid
+import zlib
+from collections import deque
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from ampwatch.agent import wire
+
+SEGMENT_SUFFIX = ".spool"
+#: What the bound empties first: the bulky sampled statistics, then the alerting series.
+STRIP_ORDER: tuple[tuple[str, ...], ...] = (("layer_stats",), ("steps", "events"))
+
+
+def default_spool_dir(client_run_id: str) -> Path:
+    """`$AMPWATCH_SPOOL_DIR/<run>` or `~/.cache/ampwatch/spool/<run>` (XDG_CACHE_HOME)."""
+    root = os.environ.get("AMPWATCH_SPOOL_DIR")
+    if root:
+        return Path(root) / client_run_id
+    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(cache) / "ampwatch" / "spool" / client_run_id
+
+
+def encode_frame(body: bytes) -> bytes:
+    return base64.b64encode(body) + b"\n"
+
+
+def _line_length(body: bytes) -> int:
+    return 4 * ((len(body) + 2) // 3) + 1
+
+
+def decode_frame(line: bytes) -> bytes | None:
+    """The gzip body of one line, or None if the line is torn or not a frame."""
+    try:
+        body = base64.b64decode(line.strip(), validate=True)
+        gzip.decompress(body)  # checks the CRC: a torn write never passes as a batch
+    except (binascii.Error, OSError, EOFError, zlib.error):
+        return None
+    return body
+
+
+def read_frames(path: Path) -> Iterator[bytes | None]:
+    """Every frame of a spool segment or offline file, in order; None for a bad line."""
+    with path.open("rb") as lines:
+        for line in lines:
+            if line.strip():
+                yield decode_frame(line)
+
+
+def frame_files(path: Path) -> list[Path]:
+    """`path` itself, or every segment under a spool directory in seq order (by run)."""
+    if path.is_dir():
+        return sorted(path.rglob(f"*{SEGMENT_SUFFIX}"))
+    return [path]
+
+
+@dataclass
+class Frame:
+    """A sealed batch: its seq, gzip body and record counts (the body is the truth)."""
+
+    seq: int
+    body: bytes
+    records: dict[str, int]
+    drops: dict[str, int]
+
+    def strip(self, kinds: tuple[str, ...]) -> dict[str, int]:
+        """Remove every record of `kinds`, counting them in the batch's "dropped" field."""
+        batch: dict[str, Any] = json.loads(gzip.decompress(self.body))
+        removed = {kind: len(batch[kind]) for kind in kinds}
+        for kind, n in removed.items():
+            batch[kind] = []
+            batch["dropped"][kind] = batch["dropped"].get(kind, 0) + n
+            self.records[kind] = 0
+            self.drops[kind] = self.drops.get(kind, 0) + n
+        text = json.dumps(batch, allow_nan=False)
+        self.body = gzip.compress(text.encode(), compresslevel=5)
+        return removed
+
+
+@dataclass
+class _Entry:
+    """A spooled frame's place in its segment; the body stays on disk."""
+
+    seq: int
+    offset: int
+    length: int  # of the line, newline included
+    records: dict[str, int]
+    drops: dict[str, int]
+
+
+@dataclass
+class _Segment:
+    path: Path
+    entries: deque[_Entry] = field(default_factory=deque)
+    end: int = 0  # file size
+
+    def intact(self) -> bool:
+        """Still the file this process wrote (not deleted or changed by someone else)?"""
+        try:
+            return self.path.stat().st_size == self.end
+        except OSError:
+            return False
+
+    def read(self, entry: _Entry) -> Frame:
+        with self.path.open("rb") as segment:
+            segment.seek(entry.offset)
+            line = segment.read(entry.length)
+        body = decode_frame(line) if len(line) == entry.length else None
+        if body is None:
+            raise ValueError(f"{self.path} is damaged at byte {entry.offset}")
+        return Frame(entry.seq, body, dict(entry.records), dict(entry.drops))
+
+
+class Spool:
+    """The on-disk queue of sealed batches of one sender, oldest first.
+
+    Memory holds only each unacknowledged frame's offset and counts; the bodies are read
+    back one at a time. Not thread-safe: only the sender thread uses it.
+    """
+
+    def __init__(
+        self, directory: Path, *, max_bytes: int, segment_bytes: int | None = None
+    ) -> None:
+        self.directory = directory
+        self.max_bytes = max_bytes
+        self._segment_bytes = segment_bytes or max(4096, max_bytes // 8)
+        self._segments: deque[_Segment] = deque()
+        # In segment names: a resumed run (same run id, so same directory, seq from 0 again)
+        # must never append to a segment its crashed predecessor left behind.
+        self._nonce = uuid.uuid4().hex[:8]
+        self._head: Frame | None = None
+        self.nbytes = 0  # of the frames not yet acknowledged
+
+    def __len__(self) -> int:
+        return sum(len(segment.entries) for segment in self._segments)
+
+    def append(self, frame: Frame) -> tuple[dict[str, int], dict[str, int]]:
+        """Write `frame`, then hold the bound. Returns (records emptied from spooled batches,
+        already counted in their own "dropped"; records lost with deleted segments, whose
+        counts the caller must report in a later batch). Raises OSError (disk full...)."""
+        last = self._segments[-1] if self._segments else None
+        if last is None or last.end >= self._segment_bytes or not last.intact():
+            self.directory.mkdir(parents=True, exist_ok=True)
+            last = _Segment(self.directory / f"{frame.seq:012d}-{self._nonce}{SEGMENT_SUFFIX}")
+            self._segments.append(last)
+        line = encode_frame(frame.body)
+        with last.path.open("ab") as out:
+            out.write(line)
+        last.entries.append(
+            _Entry(frame.seq, last.end, len(line), dict(frame.records), dict(frame.drops))
+        )
+        last.end += len(line)
+        self.nbytes += len(line)
+        if self.nbytes <= self.max_bytes:
+            return {}, {}
+        return self._shrink(target=self.max_bytes * 3 // 4)
+
+    def peek(self) -> Frame | None:
+        """The oldest unacknowledged frame, read back from disk (once). Raises OSError or
+        ValueError if its segment was deleted or damaged under us; `pop()` skips it."""
+        if self._head is None and self._segments:
+            segment = self._segments[0]
+            self._head = segment.read(segment.entries[0])
+        return self._head
+
+    def pop(self) -> dict[str, int]:
+        """Forget the oldest frame (acknowledged, or unreadable); a segment with none left
+        is deleted. Returns the records it held and reported dropped, for an unreadable one."""
+        segment = self._segments[0]
+        entry = segment.entries.popleft()
+        self.nbytes -= entry.length
+        self._head = None
+        if not segment.entries:
+            self._segments.popleft()
+            segment.path.unlink(missing_ok=True)
+        return {kind: entry.records[kind] + entry.drops[kind] for kind in wire.DROPPED_KINDS}
+
+    def _shrink(self, target: int) -> tuple[dict[str, int], dict[str, int]]:
+        """Hysteresis (down to `target`, not just the bound): a full spool is rewritten
+        once per several batches, not once per batch."""
+        self._head = None
+        emptied: dict[str, int] = {}
+        for kinds in STRIP_ORDER:
+            for segment in self._segments:
+                if self.nbytes <= target:
+                    return emptied, {}
+                self._strip_segment(segment, kinds, target, emptied)
+        lost: dict[str, int] = {}
+        while self.nbytes > target and len(self._segments) > 1:
+            segment = self._segments.popleft()
+            for entry in segment.entries:
+                for kind in wire.DROPPED_KINDS:
+                    lost[kind] = lost.get(kind, 0) + entry.records[kind] + entry.drops[kind]
+                self.nbytes -= entry.length
+            segment.path.unlink(missing_ok=True)
+        return emptied, lost
+
+    def _strip_segment(
+        self, segment: _Segment, kinds: tuple[str, ...], target: int, emptied: dict[str, int]
+    ) -> None:
+        """Empty the segment's oldest frames of `kinds` until the spool is under `target`;
+        written aside, then renamed: a crash leaves the old segment or the new one."""
+        if not any(entry.records[kind] for entry in segment.entries for kind in kinds):
+            return
+        frames = [segment.read(entry) for entry in segment.entries]
+        size = sum(entry.length for entry in segment.entries)
+        projected = self.nbytes
+        for frame in frames:
+            if projected <= target:
+                break
+            if any(frame.records[kind] for kind in kinds):
+                before = _line_length(frame.body)
+                for kind, n in frame.strip(kinds).items():
+                    emptied[kind] = emptied.get(kind, 0) + n
+                projected -= before - _line_length(frame.body)
+        lines = [encode_frame(frame.body) for frame in frames]
+        partial = segment.path.with_suffix(".tmp")
+        partial.write_bytes(b"".join(lines))
+        os.replace(partial, segment.path)
+        segment.entries.clear()
+        offset = 0
+        for frame, line in zip(frames, lines):
+            segment.entries.append(_Entry(frame.seq, offset, len(line), frame.records, frame.drops))
+            offset += len(line)
+        self.nbytes += offset - size
+        segment.end = offset
