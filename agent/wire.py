@@ -10,17 +10,21 @@ A batch, as JSON (`WIRE_VERSION` 1)::
     {
       "wire_version": 1,
       "run": {"client_run_id": "3f2a...", "name": "gpt-small", "project": "default"},
-      "seq": 0,                       # per-run batch sequence number, from 0, no gaps
+      "stream": "9c1e...",            # the sending process's id (uuid4 hex); see STREAM_*
+      "seq": 0,                       # per stream, from 0, increasing; a gap is a rejected batch
       "steps": [                      # one record per optimizer step
         {"step": 1, "loss": 2.31, "loss_scale": 65536.0, "skipped": false,
          "grad_norm": null, "lr": 0.001, "act_norm_mean": 7.9, "act_norm_max": 11.2,
-         "rank": 0}
+         "rank": 0,
+         "lr_groups": [0.001, 0.0001]}  # optional: only with more than one param group
       ],
       "layer_stats": [                # sampled every N steps; arrays aligned with names
         {"step": 10, "rank": 0, "names": ["fc1.weight", "fc1.bias"],
          "stats": {"zero_fraction": [0.0, 0.25], "flush_fraction": [0.01, 0.0], ...},
          "exponent_histograms": {      # optional; see EXPONENT_HISTOGRAM below
-           "offsets": [100, 98], "counts": [[3, 0, 17, ...], [1, 2, ...]]}}
+           "offsets": [100, 98], "counts": [[3, 0, 17, ...], [1, 2, ...]]},
+         "activations": {              # optional; see ACTIVATION_STATS below
+           "names": ["fc1", "act", "fc2"], "max_abs": [31.5, 12.0, 870.0]}}
       ],
       "events": [
         {"kind": "run_start", "step": null, "time": 1732870000.0, "data": {...}}
@@ -70,6 +74,13 @@ FP16_MIN_SUBNORMAL: Final = 2.0**-24
 EXPONENT_HISTOGRAM_BINS: Final = 256
 EXPONENT_BIAS: Final = 127
 
+#: Per-module statistics a layer-stats record's optional "activations" may carry, aligned
+#: with its own "names": leaf module paths (`named_modules()`; "(model)" for a model that
+#: is its own only leaf), not parameter names, so they are a separate list.
+#:   activation_max_abs  max |output| over the step's graph-building forwards, in fp32, to
+#:                       compare with FP16_MAX (or FP8's 448 / 57344): overflow headroom
+ACTIVATION_STATS: Final = ("activation_max_abs",)
+
 #: Event kinds the collector understands.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
 
@@ -95,18 +106,34 @@ STEP_FLOAT_FIELDS: Final = (
     "act_norm_max",
 )
 
+#: A step record's optional `lr_groups`: the lr of every param group of every watched
+#: optimizer, in order (`lr` is the first of them), sent only when there is more than one:
+#: layer-wise lr, or no-decay groups with their own schedule, are invisible in `lr` alone.
+MAX_LR_GROUPS: Final = 1024
+
 MAX_NAME_LENGTH: Final = 512
+
+#: A batch's `stream`: the id one `Sender` draws at construction, so that `seq` is
+#: numbered per sending process. Every rank of a distributed run shares the run id, and a
+#: run resumed from a checkpoint reuses it, each numbering seq from 0; the collector's
+#: idempotency key is therefore (run, stream, seq), never (run, seq).
+STREAM_MAX_LENGTH: Final = 64
+STREAM_PATTERN: Final = r"^[0-9a-f-]+$"
 
 WireFloat = float | Literal["NaN", "Infinity", "-Infinity"]
 
 
-class RunRef(TypedDict):
+class _RunRefRequired(TypedDict):
     client_run_id: str
     name: str
+
+
+class RunRef(_RunRefRequired, total=False):
+    #: Absent: the collector files the run under the token's project ("default" without one).
     project: str
 
 
-class StepRecord(TypedDict):
+class _StepRecordRequired(TypedDict):
     step: int
     loss: WireFloat | None
     loss_scale: WireFloat | None
@@ -116,6 +143,10 @@ class StepRecord(TypedDict):
     act_norm_mean: WireFloat | None
     act_norm_max: WireFloat | None
     rank: int
+
+
+class StepRecord(_StepRecordRequired, total=False):
+    lr_groups: list[WireFloat]
 
 
 class ExponentHistograms(TypedDict):
@@ -130,8 +161,14 @@ class _LayerStatsRequired(TypedDict):
     stats: dict[str, list[WireFloat]]
 
 
+class ActivationStats(TypedDict):
+    names: list[str]
+    max_abs: list[WireFloat]
+
+
 class LayerStatsRecord(_LayerStatsRequired, total=False):
     exponent_histograms: ExponentHistograms
+    activations: ActivationStats
 
 
 class EventRecord(TypedDict):
@@ -144,6 +181,7 @@ class EventRecord(TypedDict):
 class Batch(TypedDict):
     wire_version: int
     run: RunRef
+    stream: str
     seq: int
     steps: list[StepRecord]
     layer_stats: list[LayerStatsRecord]

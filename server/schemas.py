@@ -12,19 +12,28 @@ import math
 from datetime import datetime
 from typing import Annotated, Any
 
+import numpy as np
+import numpy.typing as npt
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    PlainValidator,
     StringConstraints,
     field_validator,
     model_validator,
 )
 
 from ampwatch.agent.wire import (
+    DROPPED_KINDS,
     EVENT_KINDS,
+    EXPONENT_HISTOGRAM_BINS,
     LAYER_STATS,
+    MAX_LR_GROUPS,
     MAX_NAME_LENGTH,
+    NON_FINITE,
+    STREAM_MAX_LENGTH,
+    STREAM_PATTERN,
     WIRE_VERSION,
     WireFloat,
     encode_float,
@@ -44,6 +53,10 @@ Name = Annotated[
 ]
 StepNumber = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
 Rank = Annotated[int, Field(ge=0, le=MAX_INT)]
+#: The sending process's id (wire `STREAM_*`): part of the idempotency key with run and seq.
+Stream = Annotated[
+    str, StringConstraints(min_length=1, max_length=STREAM_MAX_LENGTH, pattern=STREAM_PATTERN)
+]
 
 
 class _WireModel(BaseModel):
@@ -54,6 +67,68 @@ class RunIn(_WireModel):
     client_run_id: Name
     name: Name
     project: Name = "default"
+
+
+_NUMBER_TYPES = frozenset({float, int})
+
+
+def _wire_float_array(value: Any) -> npt.NDArray[np.float64]:
+    """A JSON array of wire floats as one float64 array, checked as a whole.
+
+    Layer statistics are most of what agents send (layers x statistics per sampled step);
+    validating them value by value as pydantic unions cost more than parsing the JSON.
+    The element types are collected in one C-level pass; only an array that holds strings
+    takes the slower path that maps the non-finite markers.
+    """
+    if not isinstance(value, list):
+        # ValueError, not TypeError: pydantic turns only ValueError into a 422 detail.
+        raise ValueError("must be an array of numbers")  # noqa: TRY004
+    kinds = set(map(type, value))
+    try:
+        if kinds <= _NUMBER_TYPES:
+            return np.array(value, dtype=np.float64)
+        if kinds - _NUMBER_TYPES != {str}:
+            raise ValueError(
+                "values must be numbers or one of "
+                f"{sorted(NON_FINITE)}, not {sorted(k.__name__ for k in kinds - _NUMBER_TYPES)}"
+            )
+        unknown = {v for v in value if type(v) is str} - NON_FINITE.keys()
+        if unknown:
+            raise ValueError(
+                f"{sorted(unknown)[:3]} not numbers; non-finite floats are written as one of "
+                f"{sorted(NON_FINITE)}"
+            )
+        return np.array([NON_FINITE.get(v, v) for v in value], dtype=np.float64)  # type: ignore[call-overload]
+    except OverflowError:
+        raise ValueError("an integer is too large for a float64") from None
+
+
+def _bin_counts(value: Any) -> npt.NDArray[np.int64]:
+    """One histogram's counts as int64, checked as a whole (see `_wire_float_array`)."""
+    if not isinstance(value, list) or not set(map(type, value)) <= {int}:
+        raise ValueError("counts must be arrays of integers")
+    if len(value) > EXPONENT_HISTOGRAM_BINS:
+        raise ValueError(f"a histogram has at most {EXPONENT_HISTOGRAM_BINS} bins")
+    try:
+        counts = np.array(value, dtype=np.int64)
+    except OverflowError:
+        raise ValueError("a count is too large for int64") from None
+    if counts.size and counts.min() < 0:
+        raise ValueError("counts must be >= 0")
+    return counts
+
+
+WireFloatArray = Annotated[npt.NDArray[np.float64], PlainValidator(_wire_float_array)]
+
+
+def _lr_groups(value: Any) -> npt.NDArray[np.float64]:
+    array = _wire_float_array(value)
+    if not 1 <= array.size <= MAX_LR_GROUPS:
+        raise ValueError(f"lr_groups holds 1 to {MAX_LR_GROUPS} values, got {array.size}")
+    return array
+
+
+LrGroups = Annotated[npt.NDArray[np.float64], PlainValidator(_lr_groups)]
 
 
 class StepIn(_WireModel):
@@ -68,6 +143,49 @@ class StepIn(_WireModel):
     lr: WireFloat | None = None
     act_norm_mean: WireFloat | None = None
     act_norm_max: WireFloat | None = None
+    #: Every param group's lr (wire `MAX_LR_GROUPS`); absent with a single group.
+    lr_groups: LrGroups | None = None
+
+
+BinCounts = Annotated[npt.NDArray[np.int64], PlainValidator(_bin_counts)]
+ExponentBin = Annotated[int, Field(ge=0, lt=EXPONENT_HISTOGRAM_BINS)]
+
+
+class ExponentHistogramsIn(_WireModel):
+    """Per layer: counts[i][j] elements whose float32 exponent field is offsets[i] + j."""
+
+    offsets: list[ExponentBin]
+    counts: list[BinCounts]
+
+    @model_validator(mode="after")
+    def _within_bins(self) -> ExponentHistogramsIn:
+        if len(self.offsets) != len(self.counts):
+            raise ValueError("offsets and counts must have one entry per layer")
+        for offset, counts in zip(self.offsets, self.counts):
+            if offset + counts.size > EXPONENT_HISTOGRAM_BINS:
+                raise ValueError(
+                    f"a histogram from bin {offset} with {counts.size} counts passes bin "
+                    f"{EXPONENT_HISTOGRAM_BINS - 1}"
+                )
+        return self
+
+
+class ActivationsIn(_WireModel):
+    """Per leaf module (`names`: module paths, not parameter names): activation max-abs."""
+
+    names: list[Name]
+    max_abs: WireFloatArray
+
+    @model_validator(mode="after")
+    def _aligned(self) -> ActivationsIn:
+        if len(set(self.names)) != len(self.names):
+            raise ValueError("activations.names must be unique")
+        if self.max_abs.size != len(self.names):
+            raise ValueError(
+                f"activations.max_abs has {self.max_abs.size} values for {len(self.names)} "
+                "names; send one per name, in the same order"
+            )
+        return self
 
 
 class LayerStatsIn(_WireModel):
@@ -76,11 +194,16 @@ class LayerStatsIn(_WireModel):
     step: StepNumber
     rank: Rank = 0
     names: list[Name]
-    stats: dict[str, list[WireFloat]]
+    stats: dict[str, WireFloatArray]
+    exponent_histograms: ExponentHistogramsIn | None = None
+    #: Stored as the statistic `ACTIVATION_STATS[0]` over the run's module list.
+    activations: ActivationsIn | None = None
 
     @field_validator("stats")
     @classmethod
-    def _known_stats(cls, stats: dict[str, list[WireFloat]]) -> dict[str, list[WireFloat]]:
+    def _known_stats(
+        cls, stats: dict[str, npt.NDArray[np.float64]]
+    ) -> dict[str, npt.NDArray[np.float64]]:
         unknown = sorted(set(stats) - set(LAYER_STATS))
         if unknown:
             raise ValueError(f"unknown statistic(s) {unknown}; this collector knows {LAYER_STATS}")
@@ -91,11 +214,17 @@ class LayerStatsIn(_WireModel):
         if len(set(self.names)) != len(self.names):
             raise ValueError("names must be unique within one layer_stats record")
         for stat, values in self.stats.items():
-            if len(values) != len(self.names):
+            if values.size != len(self.names):
                 raise ValueError(
-                    f"stats[{stat!r}] has {len(values)} values for {len(self.names)} names; "
+                    f"stats[{stat!r}] has {values.size} values for {len(self.names)} names; "
                     "each array must hold one value per name, in the same order"
                 )
+        histograms = self.exponent_histograms
+        if histograms is not None and len(histograms.offsets) != len(self.names):
+            raise ValueError(
+                f"exponent_histograms has {len(histograms.offsets)} histograms for "
+                f"{len(self.names)} names; send one per name, in the same order"
+            )
         return self
 
 
@@ -124,11 +253,20 @@ class BatchIn(_WireModel):
 
     wire_version: int
     run: RunIn
+    stream: Stream
     seq: StepNumber
     steps: list[StepIn] = Field(default_factory=list)
     layer_stats: list[LayerStatsIn] = Field(default_factory=list)
     events: list[EventIn] = Field(default_factory=list)
-    dropped: dict[str, Annotated[int, Field(ge=0)]] = Field(default_factory=dict)
+    dropped: dict[str, Annotated[int, Field(ge=0, le=MAX_BIGINT)]] = Field(default_factory=dict)
+
+    @field_validator("dropped")
+    @classmethod
+    def _known_dropped(cls, dropped: dict[str, int]) -> dict[str, int]:
+        unknown = sorted(set(dropped) - set(DROPPED_KINDS))
+        if unknown:
+            raise ValueError(f"unknown dropped kind(s) {unknown}; expected {DROPPED_KINDS}")
+        return dropped
 
     @field_validator("wire_version")
     @classmethod
@@ -151,8 +289,15 @@ def _encode_non_finite(value: Any) -> Any:
     return value
 
 
+class ErrorPublic(BaseModel):
+    """An error answer: `detail` says what was wrong and how to fix it."""
+
+    detail: str
+
+
 class IngestAck(BaseModel):
     run_id: int
+    stream: str
     seq: int
     duplicate: bool
 
@@ -169,14 +314,46 @@ class RunPublic(BaseModel):
     last_step: int | None
     last_loss_scale: WireFloat | None
     skipped_steps: int
+    #: Records the agent dropped rather than block training, by kind (wire DROPPED_KINDS):
+    #: non-zero means the charts have gaps the agent knows about.
+    dropped: dict[str, int] = Field(default_factory=dict)
 
 
 class RunsPublic(BaseModel):
+    """One page of runs, newest first: `total` runs match, this page starts at `offset`."""
+
     runs: list[RunPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class RunCreate(BaseModel):
+    """Create a run, or resume the run with this `client_run_id` (idempotent).
+
+    `project` defaults to the token's project (`default` without a project token).
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    client_run_id: Name
+    name: Name
+    project: Name | None = None
+
+
+class RunEnd(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    reason: Name | None = None
 
 
 class StepSeries(BaseModel):
-    """Columnar steps of one rank, ordered by step; floats in the wire encoding."""
+    """Columnar steps of one rank, ordered by step; floats in the wire encoding.
+
+    With `bucket_width` > 1 the run was min/max-downsampled (`ampwatch.server.series`):
+    each bucket of that many steps is two points, (first step, minima) and (last step,
+    maxima); `skipped_count[i]` is the number of skipped steps point i stands for.
+    """
 
     step: list[int]
     loss: list[WireFloat | None]
@@ -186,6 +363,11 @@ class StepSeries(BaseModel):
     lr: list[WireFloat | None]
     act_norm_mean: list[WireFloat | None]
     act_norm_max: list[WireFloat | None]
+    skipped_count: list[int]
+    bucket_width: int = 1
+    #: Per point: every param group's lr, or null for a step with one group and for every
+    #: point of a downsampled answer (`bucket_width` > 1).
+    lr_groups: list[list[WireFloat] | None] = Field(default_factory=list)
 
 
 class LayerMatrix(BaseModel):
@@ -198,6 +380,45 @@ class LayerMatrix(BaseModel):
     layers: list[str]
     steps: list[int]
     values: list[list[WireFloat | None]]
+    #: >1 when downsampled: a row is the max over `step_width` steps from `steps[i]`, a
+    #: column the max over `layer_width` consecutive layers from `layers[j]`.
+    step_width: int = 1
+    layer_width: int = 1
+
+
+class LayerSeries(BaseModel):
+    """One layer's statistic over steps, downsampled as `StepSeries` (`bucket_width`)."""
+
+    layer: str
+    stat: str
+    rank: int
+    step: list[int]
+    value: list[WireFloat | None]
+    bucket_width: int = 1
+
+
+class LayerHistograms(BaseModel):
+    """One layer's exponent histograms, as on the wire: counts[i][j] is the number of
+    gradient elements at steps[i] whose float32 exponent field is offsets[i] + j."""
+
+    layer: str
+    rank: int
+    steps: list[int]
+    offsets: list[int]
+    counts: list[list[int]]
+
+
+class CheckpointPublic(BaseModel):
+    """A `checkpoint` event: the step saved, when, where (`path`, when the agent said)."""
+
+    step: int | None
+    time: float
+    path: str | None
+    data: dict[str, Any]
+
+
+class CheckpointsPublic(BaseModel):
+    checkpoints: list[CheckpointPublic]
 
 
 class EventPublic(BaseModel):

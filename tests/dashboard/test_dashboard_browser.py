@@ -75,6 +75,7 @@ def batch(seq: int, first: int, last: int) -> dict[str, Any]:
     return {
         "wire_version": WIRE_VERSION,
         "run": {"client_run_id": "browser-test", "name": "gpt-small-fp16", "project": "default"},
+        "stream": "0",
         "seq": seq,
         "steps": steps,
         "layer_stats": layer_stats,

@@ -19,7 +19,7 @@ from ampwatch.server.serving import bind_socket
 def _series(api: httpx.Client, run_id: int) -> dict[str, list]:
     raw = api.get(f"/api/v1/runs/{run_id}/steps").json()
     return {key: [decode_float(v) if key not in ("step", "skipped") else v for v in values]
-            for key, values in raw.items()}
+            for key, values in raw.items() if isinstance(values, list)}  # not bucket_width
 
 
 def _runs_by_name(api: httpx.Client) -> dict[str, dict]:

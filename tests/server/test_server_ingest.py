@@ -15,14 +15,17 @@ from wire_batches import layer_record, make_batch, step_record
 from ampwatch.agent.wire import INGEST_PATH, decode_float
 
 Counts = Callable[[], dict[str, int]]
-EMPTY = {
-    "runs": 0,
-    "ingested_batches": 0,
-    "steps": 0,
-    "layers": 0,
-    "layer_stats": 0,
-    "events": 0,
-}
+#: The tables ingest writes; auth's tables (projects, tokens) are not ingest's business.
+DATA_TABLES = (
+    "runs", "ingested_batches", "steps", "step_rollups", "layers", "layer_stats",
+    "layer_histograms", "events", "modules",
+)  # fmt: skip
+EMPTY = dict.fromkeys(DATA_TABLES, 0)
+
+
+def data_rows(count_rows: Counts) -> dict[str, int]:
+    counts = count_rows()
+    return {table: counts[table] for table in DATA_TABLES}
 
 
 def post(client: httpx.Client, batch: Any, **kwargs: Any) -> httpx.Response:
@@ -47,7 +50,7 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     ack = post(client, make_batch(0, steps=steps))
     assert ack.status_code == 200, ack.text
     run_id = ack.json()["run_id"]
-    assert ack.json() == {"run_id": run_id, "seq": 0, "duplicate": False}
+    assert ack.json() == {"run_id": run_id, "stream": "5eed", "seq": 0, "duplicate": False}
 
     series = client.get(f"/api/v1/runs/{run_id}/steps").json()
     assert series["step"] == [1, 2, 3, 4, 5]
@@ -58,8 +61,11 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert series["lr"] == [1e-3] * 5
     assert set(series) == {
         "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
-        "act_norm_max",
+        "act_norm_max", "skipped_count", "bucket_width", "lr_groups",
     }  # fmt: skip
+    assert series["lr_groups"] == [None] * 5  # one param group: `lr` alone
+    assert series["skipped_count"] == [0, 1, 1, 0, 0]
+    assert series["bucket_width"] == 1
 
     run = client.get(f"/api/v1/runs/{run_id}").json()
     assert run["steps"] == 5
@@ -105,6 +111,8 @@ def test_layer_matrix_unpacks_by_step_and_layer(client: httpx.Client) -> None:
             ["NaN", "Infinity", None],  # a measured NaN is not "missing"
             [0.5, None, 1.0],
         ],
+        "step_width": 1,
+        "layer_width": 1,
     }
     assert client.get(f"/api/v1/runs/{run_id}/layers", params={"rank": 1}).json()["steps"] == []
 
@@ -163,12 +171,72 @@ def test_duplicate_batch_is_acknowledged_and_changes_nothing(
     batch["steps"] = [step_record(1, loss=99.0)]  # a retry must not apply anything
     again = post(client, batch)
     assert again.status_code == 200
-    assert again.json() == {"run_id": first["run_id"], "seq": 0, "duplicate": True}
-    assert count_rows() == counts == {
-        "runs": 1, "ingested_batches": 1, "steps": 1, "layers": 1, "layer_stats": 1, "events": 1,
+    assert again.json() == {
+        "run_id": first["run_id"], "stream": "5eed", "seq": 0, "duplicate": True
+    }
+    assert count_rows() == counts
+    assert data_rows(count_rows) == {
+        "runs": 1, "ingested_batches": 1, "steps": 1, "step_rollups": 1, "layers": 1,
+        "layer_stats": 1, "layer_histograms": 0, "events": 1, "modules": 0,
     }  # fmt: skip
     assert client.get(f"/api/v1/runs/{first['run_id']}").json() == before
     assert client.get(f"/api/v1/runs/{first['run_id']}/steps").json()["loss"] == [1.0]
+
+
+def test_same_seq_of_another_stream_is_stored_not_a_duplicate(
+    client: httpx.Client, count_rows: Counts
+) -> None:
+    """Two ranks (or a resumed run) share the run id and each number seq from 0."""
+    rank0 = make_batch(0, stream="aa", steps=[step_record(1, loss=1.0)])
+    rank1 = make_batch(0, stream="bb", layer_stats=[layer_record(1, ["w"], [0.5], rank=1)])
+    assert post(client, rank0).json()["duplicate"] is False
+    assert post(client, rank1).json()["duplicate"] is False
+    assert post(client, rank1).json()["duplicate"] is True  # a retry of that stream still is
+    assert data_rows(count_rows)["ingested_batches"] == 2
+    assert data_rows(count_rows)["layer_stats"] == 1
+
+
+@pytest.mark.parametrize("stream", ["", "ABC", "x" * 3, "a" * 65, 7])
+def test_batch_without_a_valid_stream_is_rejected(client: httpx.Client, stream: object) -> None:
+    batch: dict[str, object] = dict(make_batch(0))
+    batch["stream"] = stream
+    answer = post(client, batch)
+    assert answer.status_code == 422, answer.text
+    assert "stream" in answer.text
+    del batch["stream"]
+    assert post(client, batch).status_code == 422
+
+
+def test_lr_groups_round_trip_with_non_finite_values(client: httpx.Client) -> None:
+    steps = [step_record(1, lr=1e-3), step_record(2, lr=1e-3), step_record(3, lr=2e-3)]
+    steps[0]["lr_groups"] = [1e-3, 0.0, 5e-5]
+    steps[1]["lr_groups"] = [1e-3, "NaN", "Infinity"]
+    ack = post(client, make_batch(0, steps=steps))
+    assert ack.status_code == 200, ack.text
+    series = client.get(f"/api/v1/runs/{ack.json()['run_id']}/steps").json()
+    assert series["lr_groups"] == [[1e-3, 0.0, 5e-5], [1e-3, "NaN", "Infinity"], None]
+
+
+@pytest.mark.parametrize("lr_groups", [[], ["fast"], [True], 0.1, [0.1] * 1025])
+def test_malformed_lr_groups_are_rejected(
+    client: httpx.Client, count_rows: Counts, lr_groups: object
+) -> None:
+    record: dict[str, Any] = dict(step_record(1))
+    record["lr_groups"] = lr_groups
+    answer = post(client, make_batch(0, steps=[record]))
+    assert answer.status_code == 422, answer.text
+    assert "lr_groups" in answer.text
+    assert data_rows(count_rows) == EMPTY
+
+
+def test_activations_must_align_with_their_names(client: httpx.Client) -> None:
+    record: dict[str, Any] = dict(layer_record(1, ["w"], [0.5]))
+    record["activations"] = {"names": ["fc1", "fc2"], "max_abs": [1.0]}
+    answer = post(client, make_batch(0, layer_stats=[record]))
+    assert answer.status_code == 422 and "activations" in answer.text
+    record["activations"] = {"names": ["fc1", "fc1"], "max_abs": [1.0, 2.0]}
+    answer = post(client, make_batch(0, layer_stats=[record]))
+    assert answer.status_code == 422
 
 
 def test_resent_step_in_a_new_batch_overwrites(client: httpx.Client, count_rows: Counts) -> None:
@@ -252,7 +320,7 @@ def test_invalid_batch_is_422_with_message_and_stores_nothing(
     response = post(client, _bad(_full_batch(), path, value))
     assert response.status_code == 422
     assert message in response.text
-    assert count_rows() == EMPTY
+    assert data_rows(count_rows) == EMPTY
 
 
 def test_invalid_batch_for_a_known_run_changes_nothing(
@@ -288,7 +356,7 @@ def test_malformed_body_is_4xx_with_message(
     response = client.post(INGEST_PATH, content=body, headers=headers)
     assert response.status_code == status
     assert message in response.text
-    assert count_rows() == EMPTY
+    assert data_rows(count_rows) == EMPTY
 
 
 def test_a_failure_while_storing_rolls_the_whole_batch_back(
@@ -302,7 +370,7 @@ def test_a_failure_while_storing_rolls_the_whole_batch_back(
     monkeypatch.setattr(ingest, "_apply_events", fail)
     # uvicorn drops the connection after an unhandled error; don't let httpx reuse it.
     assert post(client, _full_batch(), headers={"Connection": "close"}).status_code == 500
-    assert count_rows() == EMPTY
+    assert data_rows(count_rows) == EMPTY
     monkeypatch.undo()
     assert post(client, _full_batch()).json()["duplicate"] is False  # the retry is not a dup
 

@@ -38,6 +38,7 @@ def make_batch(
     seq: int = 0,
     *,
     client_run_id: str = "run-a",
+    stream: str = "5eed",
     steps: list[StepRecord] | None = None,
     layer_stats: list[LayerStatsRecord] | None = None,
     events: list[EventRecord] | None = None,
@@ -45,6 +46,7 @@ def make_batch(
     return {
         "wire_version": WIRE_VERSION,
         "run": {"client_run_id": client_run_id, "name": "gpt-small", "project": "default"},
+        "stream": stream,
         "seq": seq,
         "steps": steps or [],
         "layer_stats": layer_stats or [],
