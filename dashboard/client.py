@@ -22,6 +22,11 @@ import httpx
 from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WireFloat, decode_float, encode_float
 
 API_PREFIX = "/api/v1"
+#: About two points per horizontal pixel of a wide chart: the most a browser can show.
+STEP_POINTS = 2000
+#: A 200 x 200 heatmap is ~0.3 MB of JSON; the 500 x 500 server default is ~4.6 MB.
+HEATMAP_STEPS = 200
+HEATMAP_LAYERS = 200
 T = TypeVar("T")
 
 
@@ -160,6 +165,7 @@ class CollectorClient:
     """Reads runs and their series from a collector; one instance per dashboard app.
 
     `transport` is for tests (`httpx.MockTransport`); by default requests go over HTTP.
+    `token`: a bearer token for a collector that requires one.
     """
 
     def __init__(
@@ -168,14 +174,17 @@ class CollectorClient:
         *,
         timeout: float = 10.0,
         transport: httpx.BaseTransport | None = None,
+        token: str | None = None,
     ) -> None:
         self.api_url = api_url.rstrip("/")
+        headers = {"Authorization": f"Bearer {token}"} if token else None
         # No keep-alive: Dash has no shutdown hook to close this client, so a pooled idle
         # socket would outlive the app; a new loopback connection per request costs ~0.1 ms.
         self._http = httpx.Client(
             base_url=self.api_url + API_PREFIX,
             timeout=timeout,
             transport=transport,
+            headers=headers,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
 
@@ -209,11 +218,17 @@ class CollectorClient:
         """One run; raises `RunNotFound` for an unknown id."""
         return self._get(f"/runs/{run_id}", RunSummary.from_json)
 
-    def steps(self, run_id: int, *, rank: int = 0) -> StepSeries:
-        return self._get(f"/runs/{run_id}/steps", StepSeries.from_json, rank=rank)
+    def steps(self, run_id: int, *, rank: int = 0, max_points: int = STEP_POINTS) -> StepSeries:
+        """Downsampled by the collector (min/max per bucket: spikes and skips survive)."""
+        return self._get(f"/runs/{run_id}/steps", StepSeries.from_json, rank=rank,
+                         max_points=max_points)
 
-    def layer_matrix(self, run_id: int, stat: str, *, rank: int = 0) -> LayerMatrix:
-        return self._get(f"/runs/{run_id}/layers", LayerMatrix.from_json, stat=stat, rank=rank)
+    def layer_matrix(self, run_id: int, stat: str, *, rank: int = 0,
+                     max_steps: int = HEATMAP_STEPS, max_layers: int = HEATMAP_LAYERS
+                     ) -> LayerMatrix:
+        """Downsampled on both axes by the collector (max per cell: a frozen layer shows)."""
+        return self._get(f"/runs/{run_id}/layers", LayerMatrix.from_json, stat=stat, rank=rank,
+                         max_steps=max_steps, max_layers=max_layers)
 
     def events(self, run_id: int) -> list[RunEvent]:
         return self._get(
