@@ -6,6 +6,7 @@ python -m ampwatch.dashboard --api-url http://collector:8000 --port 8050
 from __future__ import annotations
 
 import argparse
+import os
 
 from ampwatch.dashboard.app import create_dash_app
 
@@ -20,8 +21,14 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--prefix", default="/", help="URL prefix when served behind a proxy, e.g. /dashboard/"
     )
+    parser.add_argument(
+        "--token",
+        default=os.environ.get("AMPWATCH_DASHBOARD_TOKEN"),
+        help="bearer token for the collector (default: AMPWATCH_DASHBOARD_TOKEN); the "
+        "dashboard shows whatever this token may read",
+    )
     args = parser.parse_args(argv)
-    app = create_dash_app(args.api_url, requests_pathname_prefix=args.prefix)
+    app = create_dash_app(args.api_url, requests_pathname_prefix=args.prefix, token=args.token)
     app.run(host=args.host, port=args.port, debug=False)
 
 

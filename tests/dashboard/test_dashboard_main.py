@@ -22,3 +22,23 @@ def test_main_serves_the_app_for_the_given_collector(monkeypatch: pytest.MonkeyP
 def test_main_requires_the_collector_url() -> None:
     with pytest.raises(SystemExit):
         main([])
+
+
+def test_main_passes_the_token_from_flag_or_environment(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ampwatch.dashboard.__main__ as entry
+
+    tokens: list[str | None] = []
+
+    class NotServed:
+        def run(self, **_: Any) -> None:
+            pass
+
+    def capture(api_url: str, **kwargs: Any) -> NotServed:
+        tokens.append(kwargs.get("token"))
+        return NotServed()
+
+    monkeypatch.setattr(entry, "create_dash_app", capture)
+    monkeypatch.setenv("AMPWATCH_DASHBOARD_TOKEN", "aw_env")
+    main(["--api-url", "http://c"])
+    main(["--api-url", "http://c", "--token", "aw_flag"])
+    assert tokens == ["aw_env", "aw_flag"]
