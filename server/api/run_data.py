@@ -49,6 +49,9 @@ EndQuery = Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Last st
 #: its leaf modules) share the layer-statistic endpoints.
 STATS = (*LAYER_STATS, *ACTIVATION_STATS)
 StatQuery = Annotated[str, Query(description=f"One of {', '.join(STATS)}.")]
+MaxPointsQuery = Annotated[
+    int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")
+]
 
 
 def _json(answer: BaseModel) -> Response:
@@ -79,9 +82,7 @@ def get_steps(
     rank: RankQuery = 0,
     start: StartQuery = None,
     end: EndQuery = None,
-    max_points: Annotated[
-        int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")
-    ] = DEFAULT_MAX_POINTS,
+    max_points: MaxPointsQuery = DEFAULT_MAX_POINTS,
 ) -> Response:
     """One rank's steps as columns ordered by step, min/max-downsampled beyond max_points."""
     return _json(
@@ -120,9 +121,7 @@ def get_layer_series(
     rank: RankQuery = 0,
     start: StartQuery = None,
     end: EndQuery = None,
-    max_points: Annotated[
-        int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")
-    ] = DEFAULT_MAX_POINTS,
+    max_points: MaxPointsQuery = DEFAULT_MAX_POINTS,
 ) -> Response:
     """One layer's statistic over steps, min/max-downsampled beyond max_points."""
     return _json(series.layer_series(
