@@ -173,6 +173,42 @@ def test_one_layer_series_downsampled_and_exact(client: httpx.Client) -> None:
     assert "no layer 'nope'" in missing.json()["detail"]
 
 
+def test_layer_reads_keep_nan_inf_missing_and_windows(client: httpx.Client) -> None:
+    """The heatmap and one layer's series read packed rows at driver level (PostgreSQL
+    through a binary cursor): every cell comes back bit-exact, NaN and +-Inf as strings,
+    a layer absent from a record (and the short rows written before it appeared) as null,
+    and start/end windows are inclusive."""
+    first = {"step": 10, "rank": 0, "names": ["a", "b"],
+             "stats": {"zero_fraction": [0.1, "NaN"]}}
+    second = {"step": 20, "rank": 0, "names": ["a", "c"],
+              "stats": {"zero_fraction": ["Infinity", 5e-324]}}
+    third = {"step": 30, "rank": 0, "names": ["b", "c"],
+             "stats": {"zero_fraction": ["-Infinity", 1.0000000000000002]}}
+    batch = make_batch(0, layer_stats=[first, second, third])
+    run_id = post(client, batch).json()["run_id"]
+    base = f"/api/v1/runs/{run_id}"
+
+    matrix = client.get(f"{base}/layers", params={"stat": "zero_fraction"}).json()
+    assert matrix["layers"] == ["a", "b", "c"] and matrix["steps"] == [10, 20, 30]
+    assert matrix["values"] == [
+        [0.1, "NaN", None], ["Infinity", None, 5e-324], [None, "-Infinity", 1.0000000000000002],
+    ]  # fmt: skip
+    window = client.get(
+        f"{base}/layers", params={"stat": "zero_fraction", "start": 20, "end": 30}
+    ).json()
+    assert window["steps"] == [20, 30] and window["values"] == matrix["values"][1:]
+    assert client.get(f"{base}/layers", params={"stat": "flush_fraction"}).json()["steps"] == []
+
+    for layer, column in (("a", 0), ("b", 1), ("c", 2)):
+        got = client.get(f"{base}/layers/{layer}/series", params={"stat": "zero_fraction"})
+        assert got.json()["step"] == [10, 20, 30]
+        assert got.json()["value"] == [row[column] for row in matrix["values"]]
+    ends = client.get(
+        f"{base}/layers/c/series", params={"stat": "zero_fraction", "start": 11, "end": 20}
+    ).json()
+    assert ends["step"] == [20] and ends["value"] == [5e-324]
+
+
 def test_histograms_at_a_step_and_over_steps(client: httpx.Client) -> None:
     record = {
         "step": 10, "rank": 0, "names": ["w", "b"],
