@@ -28,7 +28,9 @@ from sqlalchemy import (
     MetaData,
     SmallInteger,
     String,
+    Text,
     UniqueConstraint,
+    text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
@@ -46,6 +48,12 @@ NAMING_CONVENTION = {
 
 RunStatus = Literal["running", "ended"]
 RUN_STATUSES: tuple[str, ...] = get_args(RunStatus)
+AlertStatus = Literal["pending", "firing", "resolved"]
+ALERT_STATUSES: tuple[str, ...] = get_args(AlertStatus)
+Severity = Literal["info", "warning", "critical"]
+SEVERITIES: tuple[str, ...] = get_args(Severity)
+Health = Literal["ok", "warning", "critical"]
+HEALTHS: tuple[str, ...] = get_args(Health)
 
 
 class Base(DeclarativeBase):
@@ -172,6 +180,10 @@ class Run(Base):
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     dropped_layer_stats: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
     dropped_events: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    #: The worst severity among the run's firing alerts ('ok' when none fires), kept by
+    #: the alert engine in the transaction that moves an alert: the runs list filters and
+    #: sorts on it without touching `alerts`.
+    health: Mapped[Health] = mapped_column(String(16), default="ok", server_default="ok")
 
 
 class IngestedBatch(Base):
@@ -306,3 +318,148 @@ class Event(Base):
     step: Mapped[int | None] = mapped_column(BigInteger)
     time: Mapped[datetime] = mapped_column(UTCDateTime)
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
+
+
+#: An alert that is not resolved: at most one per (run, rule, layer) at any time.
+OPEN_ALERT = "status IN ('pending', 'firing')"
+
+
+def _in(column: str, values: tuple[str, ...]) -> str:
+    return "{} IN ({})".format(column, ", ".join(f"'{v}'" for v in values))
+
+
+class Alert(Base):
+    """One firing of one rule for one run (and layer, for per-layer rules; '' otherwise).
+
+    pending (condition seen, its `for` duration not yet met) -> firing -> resolved. The
+    partial unique index keeps at most one open alert per (run, rule, layer): the dedupe
+    holds across collector workers, not just within one process. Steps say *when in
+    training*; times say when the collector saw it.
+    """
+
+    __tablename__ = "alerts"
+    __table_args__ = (
+        CheckConstraint(_in("status", ALERT_STATUSES), name="status"),
+        CheckConstraint(_in("severity", SEVERITIES), name="severity"),
+        Index(
+            "uq_alerts_open",
+            "run_id",
+            "rule",
+            "layer",
+            unique=True,
+            sqlite_where=text(OPEN_ALERT),
+            postgresql_where=text(OPEN_ALERT),
+        ),
+        Index(None, "run_id", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
+    rule: Mapped[str] = mapped_column(String(64))
+    layer: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), default="")
+    severity: Mapped[Severity] = mapped_column(String(16))
+    status: Mapped[AlertStatus] = mapped_column(String(16))
+    #: The step at which the condition first held (the alert's onset), when its `for`
+    #: duration was met, and when the resolve condition held.
+    started_step: Mapped[int] = mapped_column(BigInteger)
+    fired_step: Mapped[int | None] = mapped_column(BigInteger)
+    resolved_step: Mapped[int | None] = mapped_column(BigInteger)
+    started_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    fired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: Why it fired, in words with the values and steps; `values` has them as numbers.
+    message: Mapped[str] = mapped_column(Text, default="")
+    values: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+
+
+class AlertState(Base):
+    """A rule evaluator's rolling state for a run (baselines, windows, counters), so that
+    each batch is evaluated from this row and the batch alone -- cost independent of the
+    run's length -- and so that every collector worker continues from the same state.
+    `key` is the evaluator's own (a rule name, or one row for a group of rules)."""
+
+    __tablename__ = "alert_state"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    key: Mapped[str] = mapped_column(String(64), primary_key=True)
+    data: Mapped[dict[str, Any]] = mapped_column(JSON)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+class AlertConfig(Base):
+    """Rule threshold overrides for a project or for one run (exactly one of the two).
+
+    `rules` maps a rule name to its overridden settings; a run's overrides win over its
+    project's, which win over the collector's file and the built-in defaults."""
+
+    __tablename__ = "alert_configs"
+    __table_args__ = (
+        CheckConstraint("(project IS NULL) <> (run_id IS NULL)", name="one_scope"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project: Mapped[str | None] = mapped_column(
+        String(MAX_NAME_LENGTH),
+        ForeignKey("projects.name", ondelete="CASCADE"),
+        unique=True,
+    )
+    run_id: Mapped[int | None] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), unique=True
+    )
+    rules: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
+    updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+WebhookFormat = Literal["slack", "generic"]
+WEBHOOK_FORMATS: tuple[str, ...] = get_args(WebhookFormat)
+
+
+class Webhook(Base):
+    """Where alert transitions are posted; `project` NULL means every project (admin)."""
+
+    __tablename__ = "webhooks"
+    __table_args__ = (
+        CheckConstraint(_in("format", WEBHOOK_FORMATS), name="format"),
+        CheckConstraint(_in("min_severity", SEVERITIES), name="min_severity"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    project: Mapped[str | None] = mapped_column(
+        String(MAX_NAME_LENGTH), ForeignKey("projects.name", ondelete="CASCADE"), index=True
+    )
+    url: Mapped[str] = mapped_column(String(2048))
+    format: Mapped[WebhookFormat] = mapped_column(String(16))
+    min_severity: Mapped[Severity] = mapped_column(String(16), default="warning")
+    enabled: Mapped[bool] = mapped_column(Boolean, default=True)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+
+
+NotificationStatus = Literal["pending", "delivered", "failed"]
+NOTIFICATION_STATUSES: tuple[str, ...] = get_args(NotificationStatus)
+
+
+class Notification(Base):
+    """Outbox and delivery log in one: written in the ingest transaction that moved the
+    alert (so a transition is never lost and never slows ingest), delivered later by a
+    background worker that retries with backoff and records each outcome here."""
+
+    __tablename__ = "notifications"
+    __table_args__ = (
+        CheckConstraint(_in("status", NOTIFICATION_STATUSES), name="status"),
+        CheckConstraint("transition IN ('firing', 'resolved')", name="transition"),
+        Index(None, "status", "next_attempt_at"),
+    )
+
+    id: Mapped[int] = mapped_column(Integer, primary_key=True)
+    alert_id: Mapped[int] = mapped_column(ForeignKey("alerts.id", ondelete="CASCADE"), index=True)
+    webhook_id: Mapped[int] = mapped_column(
+        ForeignKey("webhooks.id", ondelete="CASCADE"), index=True
+    )
+    transition: Mapped[str] = mapped_column(String(16))
+    status: Mapped[NotificationStatus] = mapped_column(String(16), default="pending")
+    attempts: Mapped[int] = mapped_column(Integer, default=0)
+    next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    last_error: Mapped[str | None] = mapped_column(Text)
+    response_status: Mapped[int | None] = mapped_column(Integer)
+    created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
