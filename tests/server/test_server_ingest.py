@@ -388,3 +388,42 @@ def test_unknown_layer_stat_is_422(client: httpx.Client) -> None:
     response = client.get(f"/api/v1/runs/{run_id}/layers", params={"stat": "nope"})
     assert response.status_code == 422
     assert "unknown statistic 'nope'" in response.text
+
+
+def _layer_values(client: httpx.Client, run_id: int, layer: str) -> list[Any]:
+    response = client.get(f"/api/v1/runs/{run_id}/layers/{layer}/series")
+    assert response.status_code == 200, response.text
+    return list(response.json()["value"])
+
+
+def test_layer_names_of_a_rolled_back_batch_are_numbered_afresh(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Ingest remembers committed layer numbering between batches; a batch that failed
+    after numbering new layers must not leave them remembered."""
+    from ampwatch.server import ingest
+
+    first = make_batch(0, layer_stats=[layer_record(1, ["a"], [0.1])])
+    run_id = post(client, first).json()["run_id"]
+    monkeypatch.setattr(ingest, "_apply_events", lambda *_args: 1 / 0)
+    failing = make_batch(1, layer_stats=[layer_record(2, ["a", "b", "c"], [0.2, 0.3, 0.4])])
+    assert post(client, failing, headers={"Connection": "close"}).status_code == 500
+    monkeypatch.undo()
+    third = make_batch(2, layer_stats=[layer_record(3, ["c", "a"], [0.5, 0.6])])
+    assert post(client, third).json()["duplicate"] is False
+    assert _layer_values(client, run_id, "c") == [None, 0.5]  # no c at step 1
+    assert _layer_values(client, run_id, "a") == [0.1, 0.6]
+    layers = client.get(f"/api/v1/runs/{run_id}/layers", params={"stat": "zero_fraction"})
+    assert layers.json()["layers"] == ["a", "c"]
+
+
+def test_a_new_run_reusing_a_deleted_runs_id_gets_its_own_layers(client: httpx.Client) -> None:
+    """SQLite hands a deleted run's id to the next run: remembered numbering must not leak."""
+    old = make_batch(0, layer_stats=[layer_record(1, ["x", "y"], [0.1, 0.2])])
+    old_id = post(client, old).json()["run_id"]
+    assert client.delete(f"/api/v1/runs/{old_id}").status_code == 204
+    new = make_batch(0, client_run_id="run-b", layer_stats=[layer_record(1, ["y"], [0.9])])
+    new_id = post(client, new).json()["run_id"]
+    assert _layer_values(client, new_id, "y") == [0.9]
+    layers = client.get(f"/api/v1/runs/{new_id}/layers", params={"stat": "zero_fraction"})
+    assert layers.json()["layers"] == ["y"]
