@@ -25,3 +25,16 @@ def test_bench_quick_runs_and_reports(script: str) -> None:
         assert "zero loss" in done.stdout, done.stdout
     else:
         assert "heatmap" in done.stdout, done.stdout
+
+
+def test_detection_bench_runs_and_reports() -> None:
+    """bench/detection.py on two of its scenarios (the whole catalog is tests/scenarios)."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "detection.py"), "--only", "healthy_bf16", "nan_loss"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    # 1: a bar was missed, 2: no alert engine in this collector; a crash is a failure.
+    assert done.returncode in (0, 1, 2), done.stderr
+    assert "Traceback" not in done.stderr
+    assert "healthy_bf16" in done.stdout and "nan_loss" in done.stdout, done.stdout
+    assert "bars:" in done.stdout, done.stdout
