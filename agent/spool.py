@@ -160,6 +160,17 @@ class Spool:
     def __len__(self) -> int:
         return sum(len(segment.entries) for segment in self._segments)
 
+    def carried_drops(self) -> dict[str, int]:
+        """The drop counts the spooled batches carry in their own "dropped" fields (counted
+        by the sender when they happened): a deleted batch takes them along, and they must be
+        reported again, but not counted as new drops."""
+        total = dict.fromkeys(wire.DROPPED_KINDS, 0)
+        for segment in self._segments:
+            for entry in segment.entries:
+                for kind in wire.DROPPED_KINDS:
+                    total[kind] += entry.drops.get(kind, 0)
+        return total
+
     def append(self, frame: Frame) -> tuple[dict[str, int], dict[str, int]]:
         """Write `frame`, then hold the bound. Returns (records emptied from spooled batches,
         already counted in their own "dropped"; records lost with deleted segments, whose

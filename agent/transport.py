@@ -1,14 +1,15 @@
 """The background sender: one daemon thread between the training thread and the collector.
 
 The training thread only calls `Sender.put` (never blocks: on a full queue the oldest
-sampled layer statistics make room, and a step or event that finds no room is dropped and
-counted). The sender thread waits for each sample's device-to-host copy, turns it into wire
-records, buffers them (bounded: oldest layer statistics are dropped first), and seals gzip
-JSON batches, each with this sender's `stream` id and the next `seq`, which it keeps for
-good: retries, the spool and `ampwatch upload` all resend the same (run, stream, seq), and
-the collector acknowledges a batch it already stored as a duplicate, so delivery is exactly
-once. The stream is a fresh uuid4 per sender: the ranks of a distributed run and a run
-resumed under the same run id each number seq from 0, and must not collide.
+sampled layer statistics make room, then, for an event, the oldest step; a step that finds
+no room is dropped and counted). The sender thread waits for each sample's device-to-host
+copy, turns it into wire records, buffers them (bounded: oldest layer statistics are
+dropped first), and seals gzip JSON batches, each with this sender's `stream` id and the
+next `seq`, which it keeps for good: retries, the spool and `ampwatch upload` all resend
+the same (run, stream, seq), and the collector acknowledges a batch it already stored as a
+duplicate, so delivery is exactly once. The stream is a fresh uuid4 per sender: the ranks
+of a distributed run and a run resumed under the same run id each number seq from 0, and
+must not collide.
 
 A batch is retried in memory `spool_after` times; after that the collector counts as down:
 the batch and everything sealed after it go to the on-disk spool (`ampwatch.agent.spool`),
@@ -215,22 +216,33 @@ class Sender:
 
     def put(self, item: StepSample | LayerSample | wire.EventRecord) -> None:
         """Hand a sample to the sender; never blocks, never raises. When the queue is full
-        the oldest queued layer sample makes room; failing that, `item` is dropped."""
+        the oldest queued layer sample makes room (for an event: else the oldest step);
+        failing that, `item` is dropped."""
         if self._closed:
             return
         with self._lock:
             queued = len(self._queued) + len(self._queued_layers)
             if queued >= self._max_queue:
-                if self._queued_layers:
+                evicted = "layer_stats" if self._queued_layers else None
+                if evicted:
                     self._queued_layers.popleft()
-                    self._dropped["layer_stats"] += 1
-                    self._unreported["layer_stats"] += 1
-                    queued -= 1
-                else:
+                elif _kind(item) == "events":
+                    # Events are rare and say what steps cannot (run end, checkpoints for
+                    # the restart advisor): the oldest queued step makes room for one.
+                    oldest = next(
+                        (i for i, q in enumerate(self._queued) if isinstance(q, StepSample)), None
+                    )
+                    if oldest is not None:
+                        del self._queued[oldest]
+                        evicted = "steps"
+                if evicted is None:
                     kind = _kind(item)
                     self._dropped[kind] += 1
                     self._unreported[kind] += 1
                     return
+                self._dropped[evicted] += 1
+                self._unreported[evicted] += 1
+                queued -= 1
             if isinstance(item, LayerSample):
                 self._queued_layers.append(item)
             else:
@@ -360,6 +372,17 @@ class Sender:
                 if not reported:
                     self._unreported[kind] += n
 
+    def _count_lost(
+        self, lost: dict[str, int], carried_before: dict[str, int], carried_after: dict[str, int]
+    ) -> None:
+        """Batches deleted from the spool: their records are new drops; the drop counts
+        they carried were counted when they happened, and are only to be reported again."""
+        with self._lock:
+            for kind, n in lost.items():
+                already = max(0, carried_before.get(kind, 0) - carried_after.get(kind, 0))
+                self._dropped[kind] += max(0, n - already)
+                self._unreported[kind] += n
+
     def _has_unsealed(self) -> bool:
         """Records, or counts of dropped ones, that no batch carries yet."""
         return bool(len(self._buffer) or any(self._unreported.values()))
@@ -391,7 +414,9 @@ class Sender:
                         "its records are counted as dropped",
                         exc,
                     )
-                    self._count(self._spool.pop(), reported=False)
+                    carried = self._spool.carried_drops()
+                    lost = self._spool.pop()
+                    self._count_lost(lost, carried, self._spool.carried_drops())
                     continue
             elif seal and self._has_unsealed():
                 frame = self._inflight = self._seal()
@@ -467,6 +492,9 @@ class Sender:
             return
         while self._inflight is not None or self._has_unsealed():
             frame = self._inflight or self._seal()
+            carried = self._spool.carried_drops()
+            for kind, n in frame.drops.items():
+                carried[kind] = carried.get(kind, 0) + n
             try:
                 emptied, lost = self._spool.append(frame)
             except OSError as exc:
@@ -483,7 +511,9 @@ class Sender:
             self._inflight = None
             self._counters_add(batches_spooled=1)
             self._count(emptied, reported=True)
-            self._count(lost, reported=False)
+            for kind, n in emptied.items():  # stripped counts now ride in spooled batches
+                carried[kind] = carried.get(kind, 0) + n
+            self._count_lost(lost, carried, self._spool.carried_drops())
 
     def _write_offline(self) -> None:
         assert self._offline is not None
