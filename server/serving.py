@@ -6,12 +6,15 @@ collector runs beside it) and the tests (a real HTTP server on a free port).
 
 from __future__ import annotations
 
+import json
+import os
 import socket
 import threading
 import time
 from types import TracebackType
 
 import uvicorn
+from pydantic import SecretStr
 
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
@@ -44,11 +47,49 @@ def _server(settings: Settings) -> uvicorn.Server:
     )
 
 
+#: What uvicorn imports in each worker process: `create_app()` reads `AMPWATCH_*`.
+APP_FACTORY = "ampwatch.server.main:create_app"
+
+
+def settings_environment(settings: Settings) -> dict[str, str]:
+    """`settings` as `AMPWATCH_*` variables, so worker processes rebuild the same Settings."""
+    env: dict[str, str] = {}
+    for name, value in settings.model_dump().items():
+        if value is None:
+            continue
+        if isinstance(value, SecretStr):
+            value = value.get_secret_value()
+        elif isinstance(value, (list, dict)):
+            value = json.dumps(value)
+        elif isinstance(value, bool):
+            value = "true" if value else "false"
+        env[f"AMPWATCH_{name.upper()}"] = str(value)
+    return env
+
+
 def serve(settings: Settings) -> None:
-    """Apply migrations, then serve until interrupted (Ctrl-C)."""
-    upgrade(settings.database_url)
+    """Apply migrations (unless `settings.migrate` is false), then serve until interrupted.
+
+    `settings.workers` > 1: uvicorn's multi-process mode, one socket shared by the worker
+    processes, each building its app with `create_app()` from `AMPWATCH_*` (this process exports
+    `settings` there first); the supervisor replaces a worker that dies. Several
+    collectors on one database must not race migrations: deploy with a one-shot
+    `ampwatch db upgrade`, then `ampwatch serve --no-migrate`.
+    """
+    if settings.migrate:
+        upgrade(settings.database_url)
     sock = bind_socket(settings.host, settings.port)
-    _server(settings).run(sockets=[sock])
+    workers = settings.workers
+    if workers == 1:
+        _server(settings).run(sockets=[sock])
+        return
+    from uvicorn.supervisors import Multiprocess
+
+    os.environ.update(settings_environment(settings))
+    config = uvicorn.Config(
+        APP_FACTORY, factory=True, workers=workers, log_level="warning", access_log=False
+    )
+    Multiprocess(config, sockets=[sock]).run()
 
 
 class BackgroundCollector:

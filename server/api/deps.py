@@ -28,6 +28,8 @@ SettingsDep = Annotated[Settings, Depends(get_settings)]
 
 #: OpenAPI error answers of every authenticated route (`responses=` of a route or router).
 AUTH_ERRORS: dict[int | str, dict[str, Any]] = {
+    # FastAPI answers 400 when a JSON body cannot be read at all (bytes that are not text).
+    400: {"model": ErrorPublic, "description": "A request body that cannot be read"},
     401: {"model": ErrorPublic, "description": "No token, or an unknown or revoked one"},
 }
 NOT_YOURS: dict[int | str, dict[str, Any]] = {

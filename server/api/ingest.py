@@ -14,13 +14,13 @@ from typing import Annotated, Any
 
 import orjson
 from fastapi import APIRouter, Depends, HTTPException, Request
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.schemas import BatchIn, IngestAck
+from ampwatch.server.schemas import BatchIn, ErrorPublic, IngestAck
 
 router = APIRouter(tags=["ingest"])
 
@@ -95,9 +95,30 @@ def parse_json(body: bytes) -> Any:
         return json.loads(body)
     except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
         raise HTTPException(status_code=422, detail=f"Invalid JSON: {error}") from None
+    except RecursionError:  # `[[[[...` deeper than any wire batch: no batch at all
+        raise HTTPException(status_code=422, detail="Invalid JSON: nested too deeply") from None
 
 
-@router.post(INGEST_PATH.removeprefix("/api/v1"), response_model=IngestAck, responses=NOT_YOURS)
+class IngestError(BaseModel):
+    """A refused batch: `detail` says why (a list of field errors for an invalid batch)."""
+
+    detail: str | list[dict[str, Any]]
+
+
+#: Every refusal of the body is documented, so that clients (and the schema fuzzer) know them.
+BODY_ERRORS: dict[int | str, dict[str, Any]] = {
+    400: {"model": ErrorPublic, "description": "Content-Encoding gzip, but the body is not"},
+    413: {"model": ErrorPublic, "description": "Body larger than AMPWATCH_MAX_BODY_BYTES"},
+    415: {"model": ErrorPublic, "description": "A Content-Encoding other than gzip"},
+    422: {"model": IngestError, "description": "Not JSON, or not a valid wire batch"},
+}
+
+
+@router.post(
+    INGEST_PATH.removeprefix("/api/v1"),
+    response_model=IngestAck,
+    responses={**NOT_YOURS, **BODY_ERRORS},
+)
 def ingest(
     body: BodyDep, session: SessionDep, principal: PrincipalDep, request: Request
 ) -> IngestAck:

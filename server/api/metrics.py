@@ -15,7 +15,7 @@ router = APIRouter(tags=["metrics"])
 
 @router.get(
     "/metrics",
-    response_class=PlainTextResponse,
+    # No response_class: it would document the JSON 401/403 answers as text/plain too.
     responses={200: {"content": {metrics.CONTENT_TYPE: {}}}, **NOT_YOURS},
 )
 def scrape(request: Request, session: SessionDep, principal: PrincipalDep) -> PlainTextResponse:
