@@ -1,0 +1,280 @@
+"""`/api/v1/...alerts`: alerts, the rule catalogue, and threshold overrides.
+
+A project token reads only its project's alerts and configures only its project (and its
+runs); the admin token (or local trust) everything. Overrides are validated against each
+rule's settings model: an unknown rule or setting, or a value of the wrong type, is a 422
+that names it.
+"""
+
+from __future__ import annotations
+
+from datetime import datetime
+from typing import Annotated, Any
+
+from fastapi import APIRouter, FastAPI, HTTPException, Query
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ampwatch.server.alerts import RULES, AlertConfigError, load_file, validate_overrides
+from ampwatch.server.alerts.config import (
+    FILE_RULES_KEY,
+    FileRules,
+    effective_settings,
+    file_rules,
+    stored_overrides,
+)
+from ampwatch.server.api.deps import NOT_YOURS, RUN_ERRORS, PrincipalDep, RunIdDep, SessionDep
+from ampwatch.server.db import begin_write, dialect_insert
+from ampwatch.server.models import (
+    Alert,
+    AlertConfig,
+    AlertStatus,
+    Project,
+    Run,
+    Severity,
+    utcnow,
+)
+from ampwatch.server.schemas import (
+    MAX_INT,
+    AlertConfigIn,
+    AlertConfigPublic,
+    AlertPublic,
+    AlertRulePublic,
+    AlertRulesPublic,
+    AlertsPublic,
+)
+
+router = APIRouter(tags=["alerts"])
+
+DEFAULT_PAGE = 100
+MAX_PAGE = 1000
+
+StatusQuery = Annotated[AlertStatus | None, Query(description="pending, firing or resolved.")]
+SeverityQuery = Annotated[Severity | None, Query(description="info, warning or critical.")]
+RuleQuery = Annotated[str | None, Query(description="One rule's alerts (see /alert-rules).")]
+LimitQuery = Annotated[int, Query(ge=1, le=MAX_PAGE, description="Page size.")]
+OffsetQuery = Annotated[int, Query(ge=0, le=MAX_INT, description="Alerts to skip.")]
+PROJECT_ERRORS: dict[int | str, dict[str, Any]] = {
+    **NOT_YOURS,
+    404: {"description": "No such project"},
+}
+
+
+def mount(app: FastAPI, *, prefix: str, **include: Any) -> None:
+    """Include the alert routes in `app` and give its sessions the collector's alerts file
+    (`settings.alerts_file`, parsed and validated here: a bad file fails startup)."""
+    path = app.state.settings.alerts_file
+    rules = load_file(path) if path is not None else FileRules()
+    sessions = app.state.sessionmaker
+    sessions.configure(info={**sessions.kw.get("info", {}), FILE_RULES_KEY: rules})
+    app.include_router(router, prefix=prefix, **include)
+
+
+def _seconds(moment: datetime | None) -> float | None:
+    return moment.timestamp() if moment is not None else None
+
+
+def _public(alert: Alert) -> AlertPublic:
+    return AlertPublic(
+        id=alert.id,
+        run_id=alert.run_id,
+        rule=alert.rule,
+        layer=alert.layer,
+        severity=alert.severity,
+        status=alert.status,
+        started_step=alert.started_step,
+        fired_step=alert.fired_step,
+        resolved_step=alert.resolved_step,
+        started_at=alert.started_at.timestamp(),
+        fired_at=_seconds(alert.fired_at),
+        resolved_at=_seconds(alert.resolved_at),
+        message=alert.message,
+        values=alert.values or {},
+    )
+
+
+def _known_rule(rule: str | None) -> None:
+    if rule is not None and rule not in RULES:
+        raise HTTPException(
+            status_code=422, detail=f"unknown rule {rule!r}; known rules: {', '.join(RULES)}"
+        )
+
+
+def _page(
+    session: Session, conditions: list[Any], limit: int, offset: int, *, join_run: bool = False
+) -> AlertsPublic:
+    query = select(Alert)
+    count = select(func.count()).select_from(Alert)
+    if join_run:
+        query = query.join(Run, Run.id == Alert.run_id)
+        count = count.join(Run, Run.id == Alert.run_id)
+    total = session.scalar(count.where(*conditions)) or 0
+    alerts = session.scalars(
+        query.where(*conditions).order_by(Alert.id.desc()).limit(limit).offset(offset)
+    )
+    return AlertsPublic(
+        alerts=[_public(a) for a in alerts], total=total, limit=limit, offset=offset
+    )
+
+
+def _filters(status: str | None, severity: str | None, rule: str | None) -> list[Any]:
+    _known_rule(rule)
+    conditions: list[Any] = []
+    if status is not None:
+        conditions.append(Alert.status == status)
+    if severity is not None:
+        conditions.append(Alert.severity == severity)
+    if rule is not None:
+        conditions.append(Alert.rule == rule)
+    return conditions
+
+
+@router.get("/runs/{run_id}/alerts", responses=RUN_ERRORS)
+def run_alerts(
+    run_id: RunIdDep,
+    session: SessionDep,
+    status: StatusQuery = None,
+    rule: RuleQuery = None,
+    severity: SeverityQuery = None,
+    limit: LimitQuery = DEFAULT_PAGE,
+    offset: OffsetQuery = 0,
+) -> AlertsPublic:
+    """The run's alerts, newest first, optionally filtered."""
+    conditions = [Alert.run_id == run_id, *_filters(status, severity, rule)]
+    return _page(session, conditions, limit, offset)
+
+
+@router.get("/alerts", responses=NOT_YOURS)
+def list_alerts(
+    session: SessionDep,
+    principal: PrincipalDep,
+    project: Annotated[
+        str | None, Query(description="Only this project's alerts (a project token: its own).")
+    ] = None,
+    status: StatusQuery = None,
+    severity: SeverityQuery = None,
+    rule: RuleQuery = None,
+    limit: LimitQuery = DEFAULT_PAGE,
+    offset: OffsetQuery = 0,
+) -> AlertsPublic:
+    """Alerts across every run the caller may read, newest first."""
+    if project is not None:
+        principal.check_project(project)
+    conditions = _filters(status, severity, rule)
+    scope = principal.project or project
+    if scope is not None:
+        conditions.append(Run.project == scope)
+    return _page(session, conditions, limit, offset, join_run=scope is not None)
+
+
+@router.get("/alert-rules")
+def alert_rules() -> AlertRulesPublic:
+    """Every rule with its severity, scope, meaning, default settings and their meaning."""
+    return AlertRulesPublic(
+        rules=[
+            AlertRulePublic(
+                name=rule.name,
+                severity=rule.severity,
+                scope=rule.scope,
+                description=rule.description,
+                defaults=rule.settings().model_dump(),
+                settings={
+                    name: field.description or ""
+                    for name, field in rule.settings.model_fields.items()
+                },
+            )
+            for rule in RULES.values()
+        ]
+    )
+
+
+def _checked(body: AlertConfigIn) -> dict[str, dict[str, Any]]:
+    try:
+        return validate_overrides(body.rules)
+    except AlertConfigError as error:
+        raise HTTPException(status_code=422, detail=str(error)) from None
+
+
+def _existing_project(session: Session, principal: PrincipalDep, project: str) -> None:
+    principal.check_project(project)
+    if session.scalar(select(Project.id).where(Project.name == project)) is None:
+        raise HTTPException(status_code=404, detail=f"project {project!r} not found")
+
+
+def _config(session: Session, *, project: str, run_id: int | None) -> AlertConfigPublic:
+    project_rules, run_rules = stored_overrides(session, project=project, run_id=run_id)
+    scope = AlertConfig.run_id == run_id if run_id is not None else AlertConfig.project == project
+    updated = session.scalar(select(AlertConfig.updated_at).where(scope))
+    effective = effective_settings(
+        file_rules(session), project, project_rules, run_rules if run_id is not None else None
+    )
+    return AlertConfigPublic(
+        project=project,
+        run_id=run_id,
+        rules=run_rules if run_id is not None else project_rules,
+        effective={name: settings.model_dump() for name, settings in effective.items()},
+        updated_at=_seconds(updated),
+    )
+
+
+def _store(
+    session: Session, rules: dict[str, Any], *, project: str | None, run_id: int | None
+) -> None:
+    """Upsert the scope's overrides (ON CONFLICT: two writers of one scope both succeed,
+    the later wins)."""
+    begin_write(session)
+    key = "project" if project is not None else "run_id"
+    statement = dialect_insert(session, AlertConfig).values(
+        project=project, run_id=run_id, rules=rules, updated_at=utcnow()
+    )
+    session.execute(
+        statement.on_conflict_do_update(
+            index_elements=[key],
+            set_={"rules": statement.excluded.rules, "updated_at": statement.excluded.updated_at},
+        )
+    )
+    session.commit()
+
+
+@router.get("/projects/{project}/alert-config", responses=PROJECT_ERRORS)
+def get_project_config(
+    project: str, session: SessionDep, principal: PrincipalDep
+) -> AlertConfigPublic:
+    """The project's threshold overrides and the settings its runs get from them."""
+    _existing_project(session, principal, project)
+    return _config(session, project=project, run_id=None)
+
+
+@router.put("/projects/{project}/alert-config", responses=PROJECT_ERRORS)
+def put_project_config(
+    project: str, body: AlertConfigIn, session: SessionDep, principal: PrincipalDep
+) -> AlertConfigPublic:
+    """Replace the project's threshold overrides (422 names an unknown rule or setting)."""
+    _existing_project(session, principal, project)
+    rules = _checked(body)
+    session.rollback()
+    _store(session, rules, project=project, run_id=None)
+    return _config(session, project=project, run_id=None)
+
+
+def _run_project(session: Session, run_id: int) -> str:
+    project = session.scalar(select(Run.project).where(Run.id == run_id))
+    if project is None:  # deleted since the existence check
+        raise HTTPException(status_code=404, detail=f"run {run_id} not found")
+    return project
+
+
+@router.get("/runs/{run_id}/alert-config", responses=RUN_ERRORS)
+def get_run_config(run_id: RunIdDep, session: SessionDep) -> AlertConfigPublic:
+    """The run's own overrides and its effective settings (run > project > file > defaults)."""
+    return _config(session, project=_run_project(session, run_id), run_id=run_id)
+
+
+@router.put("/runs/{run_id}/alert-config", responses=RUN_ERRORS)
+def put_run_config(run_id: RunIdDep, body: AlertConfigIn, session: SessionDep) -> AlertConfigPublic:
+    """Replace the run's threshold overrides; they apply from its next batch."""
+    rules = _checked(body)
+    project = _run_project(session, run_id)
+    session.rollback()
+    _store(session, rules, project=None, run_id=run_id)
+    return _config(session, project=project, run_id=run_id)

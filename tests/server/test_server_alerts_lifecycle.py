@@ -1,0 +1,231 @@
+"""Alert lifecycle: duration, dedupe, resolution, notifications, run health, escalation,
+late and retried batches, several ranks, per-run settings, and the `no_data` sweep."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from datetime import timedelta
+from typing import Any
+
+import pytest
+from alert_feed import Feed, healthy, layer_sample
+from sqlalchemy import func, select
+from wire_batches import step_record
+
+from ampwatch.server import lifecycle, migrate
+from ampwatch.server.alerts import evaluate, sweep
+from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.models import AlertConfig, Step, Webhook
+
+
+@pytest.fixture
+def feed(db_url: str) -> Iterator[Feed]:
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    yield Feed(make_sessionmaker(engine))
+    engine.dispose()
+
+
+def configure(feed: Feed, rules: dict[str, dict[str, Any]]) -> None:
+    """Per-run overrides, as `PUT /runs/{id}/alert-config` stores them."""
+    with feed.sessions() as session:
+        run_id = feed.run().id
+        config = session.scalars(select(AlertConfig).where(AlertConfig.run_id == run_id)).first()
+        if config is None:
+            session.add(AlertConfig(run_id=run_id, rules=rules))
+        else:
+            config.rules = rules
+        session.commit()
+
+
+def add_webhook(feed: Feed, min_severity: str = "warning", project: str | None = None) -> None:
+    with feed.sessions() as session:
+        session.add(Webhook(url="http://hooks.invalid/x", format="generic", project=project,
+                            min_severity=min_severity, enabled=True))  # fmt: skip
+        session.commit()
+
+
+def below_floor(first: int, count: int) -> list[Any]:
+    return healthy(first, count, scale=0.5)
+
+
+def test_one_alert_per_incident_notified_on_firing_and_resolution(feed: Feed) -> None:
+    feed.send(healthy(1, 100))
+    add_webhook(feed)  # every project, warning and above
+    add_webhook(feed, min_severity="critical", project="default")
+    feed.send(below_floor(101, 50))
+    feed.send(below_floor(151, 50))  # the same incident: deduplicated
+    (alert,) = feed.alerts()
+    assert (alert.status, alert.started_step, alert.fired_step) == ("firing", 101, 101)
+    assert feed.notifications() == [("loss_scale_collapse", "firing")] * 2
+    assert feed.run().health == "critical"
+
+    feed.send(healthy(201, 99))  # clear for 98 steps: still firing (resolve_steps=100)
+    assert feed.alerts()[0].status == "firing"
+    feed.send(healthy(300, 10))
+    (alert,) = feed.alerts()
+    assert (alert.status, alert.resolved_step) == ("resolved", 301)
+    assert alert.resolved_at is not None and alert.fired_at is not None
+    assert (
+        feed.notifications()
+        == [("loss_scale_collapse", "firing")] * 2 + [("loss_scale_collapse", "resolved")] * 2
+    )
+    assert feed.run().health == "ok"
+
+    feed.send(below_floor(400, 5))  # a new incident: a new alert
+    assert [a.status for a in feed.alerts()] == ["resolved", "firing"]
+
+
+def test_warning_webhooks_do_not_get_critical_only_and_vice_versa(feed: Feed) -> None:
+    add_webhook(feed, min_severity="critical")
+    feed.send_steps(healthy(1, 1000, skips={s: 4096.0 for s in range(500, 1000, 10)}))
+    assert feed.rules() == {("skip_rate", "")}  # a warning
+    assert feed.notifications() == []
+    assert feed.run().health == "warning"
+
+
+def test_for_steps_keeps_an_alert_pending_until_its_duration(feed: Feed) -> None:
+    feed.send(healthy(1, 100))
+    configure(feed, {"loss_scale_collapse": {"for_steps": 20}})
+    feed.send(below_floor(101, 10))
+    (alert,) = feed.alerts()
+    assert (alert.status, alert.started_step, alert.fired_step) == ("pending", 101, None)
+    assert feed.run().health == "ok"
+    feed.send(below_floor(111, 20))
+    (alert,) = feed.alerts()
+    assert (alert.status, alert.fired_step) == ("firing", 121)
+
+
+def test_disabling_a_rule_resolves_its_open_alert(feed: Feed) -> None:
+    feed.send(healthy(1, 100) + below_floor(101, 5))
+    configure(feed, {"loss_scale_collapse": {"enabled": False}})
+    feed.send(below_floor(106, 5))
+    assert [(a.status, a.resolved_step) for a in feed.alerts()] == [("resolved", 110)]
+    assert feed.run().health == "ok"
+
+
+def test_escalation_to_critical_is_notified_again(feed: Feed) -> None:
+    add_webhook(feed)
+    feed.send_steps(healthy(1, 299))
+    feed.send(healthy(300, 1, act=60.0) + healthy(301, 2))
+    assert feed.notifications() == [("activation_norm_spike", "firing")]
+    feed.send(healthy(303, 1, skips={303: 2048.0}) + healthy(304, 5, scale=2048.0))
+    (alert,) = feed.alerts()
+    assert alert.severity == "critical"
+    assert feed.notifications() == [("activation_norm_spike", "firing")] * 2
+    assert feed.run().health == "critical"
+
+
+def test_late_and_retried_batches_do_not_corrupt_state(feed: Feed) -> None:
+    feed.send(healthy(1, 299))
+    before = feed.state()
+    late = [step_record(s, skipped=True, loss=2.0, loss_scale=4096.0 / 2 ** (s - 99))
+            for s in range(100, 130)]  # fmt: skip
+    feed.send(late, stream="01d")  # older steps, another stream: stored, not evaluated
+    assert feed.alerts() == []
+    after = feed.state()
+    assert after["last_step"] == 299 and after["skips"] == before["skips"]
+    assert after["changes"] == before["changes"]
+
+
+def test_scalar_rules_follow_rank_zero_and_layers_their_owner(feed: Feed) -> None:
+    rank1 = [step_record(s, rank=1, skipped=True, loss=2.0, loss_scale=0.25)
+             for s in range(1, 100)]  # fmt: skip
+    feed.send(healthy(1, 99) + rank1)
+    assert feed.alerts() == []
+    assert feed.state()["rank"] == 0
+    # Pipeline parallel: rank 1 alone reports the head's layer; its freeze still fires.
+    for start in range(100, 900, 100):
+        value = 0.0 if start < 600 else 1.0
+        samples = [layer_sample(s, {"head.weight": value}, rank=1)
+                   for s in range(start, start + 100, 20)]  # fmt: skip
+        feed.send(healthy(start, 100), samples)
+    (alert,) = feed.alerts()
+    assert (alert.rule, alert.layer, alert.started_step) == ("silent_underflow", "head.weight", 600)
+
+
+def test_no_data_sweep_fires_once_resolves_on_data_and_on_end(feed: Feed) -> None:
+    add_webhook(feed)
+    feed.send(healthy(1, 50))
+    seen = feed.now
+    with feed.sessions() as session:
+        assert sweep(session, seen + timedelta(seconds=599)) == 0
+        assert sweep(session, seen + timedelta(seconds=601)) == 1
+        assert sweep(session, seen + timedelta(seconds=700)) == 0  # idempotent
+    (alert,) = feed.alerts()
+    assert (alert.rule, alert.status, alert.severity, alert.started_step) == (
+        "no_data", "firing", "warning", 50
+    )  # fmt: skip
+    assert "no data for 601 s (limit 600 s)" in alert.message
+    assert feed.run().health == "warning"
+
+    feed.send(healthy(51, 10), now=seen + timedelta(seconds=900))  # the agent is back
+    (alert,) = feed.alerts()
+    assert (alert.status, alert.resolved_step) == ("resolved", 50)
+    assert feed.notifications() == [("no_data", "firing"), ("no_data", "resolved")]
+
+    configure(feed, {"no_data": {"stale_seconds": 30.0}})  # a per-run threshold
+    with feed.sessions() as session:
+        assert sweep(session, feed.now + timedelta(seconds=31)) == 1
+    with feed.sessions() as session:
+        lifecycle.end_run(session, feed.run().id)
+    with feed.sessions() as session:
+        assert sweep(session, feed.now + timedelta(seconds=60)) == 1  # ended: resolved
+        assert sweep(session, feed.now + timedelta(seconds=6000)) == 0
+    assert [a.status for a in feed.alerts()] == ["resolved", "resolved"]
+    assert feed.run().health == "ok"
+
+
+def test_a_process_resumed_from_an_earlier_checkpoint_is_evaluated_again(feed: Feed) -> None:
+    feed.send_steps(healthy(1, 399))
+    start = {"kind": "run_start", "step": None, "time": 1_767_225_700.0, "data": {"rank": 0}}
+    # The resumed process replays from step 200: calibration again, then a collapse.
+    cascade = [step_record(200 + i, skipped=True, loss=2.0, loss_scale=65536.0 / 2**i)
+               for i in range(4)]  # fmt: skip
+    feed.send(cascade + healthy(204, 96), events=[start])
+    assert feed.alerts() == []  # the new process's calibration cascade is quiet
+    feed.send(healthy(300, 10, scale=0.5))
+    (alert,) = feed.alerts()
+    assert (alert.rule, alert.started_step) == ("loss_scale_collapse", 300)
+    other = {"kind": "run_start", "step": None, "time": 1_767_225_800.0, "data": {"rank": 3}}
+    feed.send(healthy(310, 5, scale=0.5), events=[other])  # another rank's process: no reset
+    assert feed.state()["calibrating"] is False
+
+
+def test_concurrent_sweeps_fire_one_alert(feed: Feed) -> None:
+    import threading
+
+    feed.send(healthy(1, 10))
+    later = feed.now + timedelta(hours=1)
+    changed: list[int] = []
+
+    def sweep_once() -> None:
+        with feed.sessions() as session:
+            changed.append(sweep(session, later))
+
+    threads = [threading.Thread(target=sweep_once) for _ in range(4)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join()
+    assert sum(changed) == 1
+    assert [(a.rule, a.status) for a in feed.alerts()] == [("no_data", "firing")]
+
+
+def test_a_failing_evaluation_never_loses_the_batch(
+    feed: Feed, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    feed.send(healthy(1, 100))
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("a bug in a rule")
+
+    monkeypatch.setattr(evaluate, "_evaluate_steps", broken)
+    feed.send(healthy(101, 5, scale=0.5))  # stored although evaluation failed
+    assert "alert evaluation of run" in caplog.text
+    assert feed.alerts() == [] and feed.state()["last_step"] == 100  # undone, not half-done
+    monkeypatch.undo()
+    feed.send(healthy(106, 5, scale=0.5))
+    assert [a.rule for a in feed.alerts()] == ["loss_scale_collapse"]
+    with feed.sessions() as session:
+        assert session.scalar(select(func.count()).select_from(Step)) == 110
