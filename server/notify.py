@@ -1,19 +1,69 @@
-"""Alert notifications: the outbox side (`enqueue`), written inside the ingest transaction.
+"""Alert notifications: the outbox (`enqueue`, inside the ingest transaction) and its
+delivery worker (`DeliveryWorker`, a background thread of each collector process).
 
-Delivery happens later, from a background worker, so a slow or failing webhook never
-slows ingest and a transition is never lost: it is committed with the alert it announces.
+Delivery happens later, from the worker, so a slow or failing webhook never slows ingest
+and a transition is never lost: it is committed with the alert it announces. Each round
+the worker (1) runs the alert engine's periodic sweep (`ampwatch.server.alerts.sweep`, the
+no_data rule), then (2) claims due notifications and POSTs them, several at a time.
+
+Claiming is a short transaction that moves the row's `next_attempt_at` one lease ahead and
+counts the attempt; the POST happens after it commits, and a second short transaction
+records the outcome. No transaction stays open across HTTP, which on SQLite (one writer)
+would stall ingest for as long as a webhook hangs. On PostgreSQL the claim reads with
+`FOR UPDATE SKIP LOCKED`, so collector workers sharing the database claim disjoint rows
+without waiting for each other; a worker that dies mid-POST leaves its claim to expire
+(`lease`) and another worker retries it.
+
+Bodies (`slack_body`, `generic_body`):
+
+- `slack`: a Slack incoming-webhook message: `text` (complete on its own, for chat tools
+  that ignore blocks) plus `blocks` (header, fields, message, link to the run page).
+- `generic`: `{"version": 1, "kind": "alert" | "test", "notification_id" (the same on
+  every retry: receivers deduplicate on it), "attempt" (1, 2, ...), "transition":
+  "firing" | "resolved", "alert": {id, rule, layer, severity, status, started_step,
+  fired_step, resolved_step, started_at, fired_at, resolved_at, message, values}, "run":
+  {id, client_run_id, name, project, url}, "project", "sent_at"}`; times ISO 8601 UTC,
+  non-finite floats in `values` in the wire encoding ("NaN", "Infinity").
+
+>>> worker = DeliveryWorker(sessions, settings).start()  # doctest: +SKIP
+>>> worker.stop()  # doctest: +SKIP
 """
 
 from __future__ import annotations
 
-from typing import Literal
+import logging
+import random
+import threading
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from datetime import datetime, timedelta
+from typing import Any, Literal
 
-from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
+import httpx
+from sqlalchemy import exists, or_, select, update
+from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from ampwatch.server.db import begin_write
 from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook, utcnow
+from ampwatch.server.settings import Settings
+
+logger = logging.getLogger(__name__)
 
 Transition = Literal["firing", "resolved"]
+
+#: Longest wait between two attempts of one notification, whatever the attempt number.
+RETRY_CAP_SECONDS = 15 * 60.0
+#: Notifications claimed per worker round, and POSTs in flight at once.
+CLAIM_BATCH = 32
+PARALLEL_POSTS = 8
+USER_AGENT = "ampwatch-notify/1"
+GENERIC_VERSION = 1
+_SEVERITY_ICONS = {
+    "info": ":information_source:",
+    "warning": ":warning:",
+    "critical": ":rotating_light:",
+}
 
 
 def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
@@ -44,3 +94,437 @@ def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
         for hook in hooks
     )
     return len(hooks)
+
+
+# --- retry policy -------------------------------------------------------------------
+
+
+def is_retryable(status: int | None) -> bool:
+    """Whether a delivery that ended with HTTP `status` (None: connection error or
+    timeout) may succeed if tried again: 408, 429 and 5xx may; any other 4xx (a revoked
+    Slack hook answers 404 or 410, a malformed body 400) and 3xx will fail the same way."""
+    return status is None or status in (408, 429) or status >= 500
+
+
+def retry_delay(
+    attempts: int,
+    status: int | None,
+    *,
+    max_attempts: int,
+    base: float,
+    cap: float = RETRY_CAP_SECONDS,
+    rng: Callable[[], float] = random.random,
+) -> float | None:
+    """Seconds until the next try of a delivery that has failed `attempts` times (1, 2,
+    ...) with `status`, or None to give up: after `max_attempts`, or at once for a status
+    that retrying cannot fix (`is_retryable`).
+
+    Exponential (base, 2·base, 4·base, ...), capped, with equal jitter (half fixed, half
+    random), so that the notifications of one incident to one dead webhook spread out.
+
+    >>> retry_delay(3, 503, max_attempts=8, base=5.0, rng=lambda: 0.0)
+    10.0
+    >>> retry_delay(8, 503, max_attempts=8, base=5.0) is None
+    True
+    """
+    if attempts >= max_attempts or not is_retryable(status):
+        return None
+    ceiling = min(cap, base * 2.0 ** (attempts - 1))
+    return ceiling / 2 + rng() * ceiling / 2
+
+
+# --- bodies -------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Message:
+    """Everything a body is made of, read while the notification is claimed."""
+
+    notification_id: int | None
+    kind: Literal["alert", "test"]
+    transition: str
+    alert: dict[str, Any]
+    run: dict[str, Any]
+    project: str | None
+    #: 1 for the first try of this notification, 2 for the first retry, ...
+    attempt: int = 1
+
+
+def run_page_url(settings: Settings, run_id: int) -> str:
+    """The dashboard page of run `run_id`: under `dashboard_url` when the dashboard runs on
+    its own, else under the collector's `public_url`, where it is mounted."""
+    base = settings.dashboard_url or f"{settings.public_url}/dashboard"
+    return f"{base.rstrip('/')}/run/{run_id}"
+
+
+def _iso(value: datetime | None) -> str | None:
+    return value.isoformat() if value is not None else None
+
+
+def alert_message(
+    notification_id: int | None,
+    transition: str,
+    alert: Alert,
+    run: Run,
+    settings: Settings,
+    *,
+    attempt: int = 1,
+) -> Message:
+    return Message(
+        attempt=attempt,
+        notification_id=notification_id,
+        kind="alert",
+        transition=transition,
+        alert={
+            "id": alert.id,
+            "rule": alert.rule,
+            "layer": alert.layer,
+            "severity": alert.severity,
+            "status": alert.status,
+            "started_step": alert.started_step,
+            "fired_step": alert.fired_step,
+            "resolved_step": alert.resolved_step,
+            "started_at": _iso(alert.started_at),
+            "fired_at": _iso(alert.fired_at),
+            "resolved_at": _iso(alert.resolved_at),
+            "message": alert.message,
+            "values": alert.values,
+        },
+        run={
+            "id": run.id,
+            "client_run_id": run.client_run_id,
+            "name": run.name,
+            "project": run.project,
+            "url": run_page_url(settings, run.id),
+        },
+        project=run.project,
+    )
+
+
+def sample_message(webhook: Webhook) -> Message:
+    """A harmless message that shows what an alert will look like at `webhook`."""
+    return Message(
+        notification_id=None,
+        kind="test",
+        transition="firing",
+        alert={
+            "id": None,
+            "rule": "test",
+            "layer": "",
+            "severity": "info",
+            "status": "firing",
+            "started_step": None,
+            "fired_step": None,
+            "resolved_step": None,
+            "started_at": None,
+            "fired_at": None,
+            "resolved_at": None,
+            "message": f"test message for webhook {webhook.id}: ampwatch can reach this URL",
+            "values": {},
+        },
+        run={},
+        project=webhook.project,
+    )
+
+
+def generic_body(message: Message, *, sent_at: datetime | None = None) -> dict[str, Any]:
+    """The `generic` JSON body (layout in the module docstring)."""
+    return {
+        "version": GENERIC_VERSION,
+        "kind": message.kind,
+        "notification_id": message.notification_id,
+        "attempt": message.attempt,
+        "transition": message.transition,
+        "alert": message.alert,
+        "run": message.run,
+        "project": message.project,
+        "sent_at": (sent_at or utcnow()).isoformat(),
+    }
+
+
+def slack_body(message: Message) -> dict[str, Any]:
+    """A Slack incoming-webhook body: `text` says it all; `blocks` lay it out."""
+    alert, run = message.alert, message.run
+    severity = str(alert["severity"])
+    state = "RESOLVED" if message.transition == "resolved" else severity.upper()
+    where = f" on layer `{alert['layer']}`" if alert.get("layer") else ""
+    step = alert["resolved_step"] if message.transition == "resolved" else alert["fired_step"]
+    step = step if step is not None else alert.get("started_step")
+    at_step = f" at step {step}" if step is not None else ""
+    run_name = run.get("name") or "(test)"
+    headline = f"[{state}] {alert['rule']} {message.transition} on run {run_name}{where}{at_step}"
+    text = f"{headline}: {alert['message']}"
+    if run.get("url"):
+        text += f" <{run['url']}|open run>"
+    fields = [
+        ("Run", f"{run_name} (id {run['id']})" if run else "(test)"),
+        ("Project", message.project or "(every project)"),
+        ("Rule", str(alert["rule"])),
+        ("Severity", severity),
+        ("Layer", alert.get("layer") or "(whole run)"),
+        ("Step", str(step) if step is not None else "-"),
+    ]
+    blocks: list[dict[str, Any]] = [
+        {
+            "type": "header",
+            "text": {"type": "plain_text", "text": headline[:150]},
+        },
+        {
+            "type": "section",
+            "fields": [{"type": "mrkdwn", "text": f"*{name}*\n{value}"} for name, value in fields],
+        },
+        {
+            "type": "section",
+            "text": {
+                "type": "mrkdwn",
+                "text": f"{_SEVERITY_ICONS.get(severity, '')} {alert['message']}"[:3000],
+            },
+        },
+    ]
+    if run.get("url"):
+        link = {"type": "mrkdwn", "text": f"<{run['url']}|Open the run in ampwatch>"}
+        blocks.append({"type": "context", "elements": [link]})
+    return {"text": text, "blocks": blocks}
+
+
+def render(message: Message, body_format: str) -> dict[str, Any]:
+    return slack_body(message) if body_format == "slack" else generic_body(message)
+
+
+# --- delivery -----------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How one POST ended: `status` None when no HTTP answer came (error says why)."""
+
+    status: int | None
+    error: str | None
+
+    @property
+    def delivered(self) -> bool:
+        return self.status is not None and 200 <= self.status < 300
+
+
+def post(client: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
+    """POST `body` as JSON to `url`; never raises for network trouble."""
+    try:
+        response = client.post(url, json=body)
+    except httpx.HTTPError as error:
+        return Outcome(None, f"{type(error).__name__}: {error}"[:500] or type(error).__name__)
+    if 200 <= response.status_code < 300:
+        return Outcome(response.status_code, None)
+    return Outcome(response.status_code, f"HTTP {response.status_code}: {response.text[:300]}")
+
+
+def http_client(timeout: float) -> httpx.Client:
+    """The client deliveries go through: no redirects (a webhook URL is exact), one
+    timeout for connect, read and write."""
+    return httpx.Client(timeout=timeout, follow_redirects=False, headers={"User-Agent": USER_AGENT})
+
+
+def send_test(webhook: Webhook, settings: Settings) -> Outcome:
+    """POST a test message to `webhook` now (not through the outbox: it announces no
+    alert, and the caller wants the answer)."""
+    with http_client(settings.webhook_timeout) as client:
+        return post(client, webhook.url, render(sample_message(webhook), webhook.format))
+
+
+@dataclass(frozen=True)
+class _Claim:
+    id: int
+    attempts: int
+    url: str
+    body: dict[str, Any]
+
+
+def _load_sweep() -> Callable[[Session, datetime], Any] | None:
+    try:
+        from ampwatch.server.alerts import sweep
+    except ImportError:
+        return None
+    return sweep  # type: ignore[no-any-return]
+
+
+class DeliveryWorker:
+    """One daemon thread per collector process: each `settings.notify_interval` it runs
+    the alert sweep and delivers due notifications (`tick`). `stop()` waits for the
+    round in progress, which is bounded by the webhook timeout.
+    """
+
+    def __init__(
+        self,
+        sessions: sessionmaker[Session],
+        settings: Settings,
+        *,
+        sweep: Callable[[Session, datetime], Any] | None | Literal["auto"] = "auto",
+        rng: Callable[[], float] = random.random,
+    ) -> None:
+        self._sessions = sessions
+        self._settings = settings
+        self._sweep = _load_sweep() if sweep == "auto" else sweep
+        self._rng = rng
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._client = http_client(settings.webhook_timeout)
+        self._pool = ThreadPoolExecutor(PARALLEL_POSTS, thread_name_prefix="ampwatch-webhook")
+        self._failing: set[str] = set()
+        # A claim outlives any single POST (httpx's timeout applies per phase, so allow a
+        # few) before another worker may take the notification over.
+        self.lease = timedelta(seconds=4 * settings.webhook_timeout + 30)
+
+    def start(self) -> DeliveryWorker:
+        self._thread = threading.Thread(target=self._loop, name="ampwatch-notify", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self, timeout: float | None = None) -> None:
+        """Stop after the current round (idempotent); waits up to `timeout` seconds."""
+        self._stop.set()
+        if self._thread is not None:
+            bound = 3 * self._settings.webhook_timeout if timeout is None else timeout
+            self._thread.join(bound)
+        self._pool.shutdown(wait=False, cancel_futures=True)
+        self._client.close()
+
+    def _loop(self) -> None:
+        while not self._stop.wait(self._settings.notify_interval):
+            self.tick()
+
+    def tick(self, now: datetime | None = None) -> int:
+        """One round: sweep, then deliver what is due; returns the notifications tried.
+        Errors are logged (once until the step works again) and never end the worker."""
+        now = now or utcnow()
+        if self._sweep is not None:
+            self._guard("sweep", self._run_sweep, now)
+        return self._guard("deliver", self._deliver_due, now) or 0
+
+    def _guard(self, step: str, function: Callable[[datetime], Any], now: datetime) -> Any:
+        try:
+            result = function(now)
+        except Exception:
+            if step not in self._failing:
+                self._failing.add(step)
+                logger.exception("notification worker: %s failed; retrying every round", step)
+            return None
+        if step in self._failing:
+            self._failing.discard(step)
+            logger.warning("notification worker: %s works again", step)
+        return result
+
+    def _run_sweep(self, now: datetime) -> None:
+        assert self._sweep is not None
+        with self._sessions() as session:
+            # The sweep reads first and opens its own short write transaction per run it
+            # changes, so a round with nothing stale takes no write lock.
+            self._sweep(session, now)
+            session.commit()
+
+    def _deliver_due(self, now: datetime) -> int:
+        claims = self.claim(now)
+        if claims:
+            outcomes = list(self._pool.map(lambda c: post(self._client, c.url, c.body), claims))
+            self.record(claims, outcomes)
+        return len(claims)
+
+    def claim(self, now: datetime, limit: int = CLAIM_BATCH) -> list[_Claim]:
+        """Claim up to `limit` due notifications for this worker and build their bodies."""
+        earlier = aliased(Notification)
+        due = (
+            Notification.status == "pending",
+            Notification.next_attempt_at <= now,
+            # One alert's transitions reach a webhook in order: a "resolved" waits while
+            # the "firing" before it is still being retried.
+            ~exists().where(
+                earlier.alert_id == Notification.alert_id,
+                earlier.webhook_id == Notification.webhook_id,
+                earlier.status == "pending",
+                earlier.id < Notification.id,
+            ),
+        )
+        with self._sessions() as session:
+            # A read first: a round with nothing due takes no write lock (SQLite).
+            if session.scalar(select(Notification.id).where(*due).limit(1)) is None:
+                return []
+            session.rollback()
+            begin_write(session)
+            ids = session.scalars(
+                select(Notification.id)
+                .where(*due)
+                .order_by(Notification.next_attempt_at, Notification.id)
+                .limit(limit)
+                .with_for_update(skip_locked=True)
+            ).all()
+            if not ids:
+                return []
+            session.execute(
+                update(Notification)
+                .where(Notification.id.in_(ids))
+                .values(attempts=Notification.attempts + 1, next_attempt_at=now + self.lease)
+            )
+            rows = session.execute(
+                select(Notification, Alert, Run, Webhook)
+                .join(Alert, Alert.id == Notification.alert_id)
+                .join(Run, Run.id == Alert.run_id)
+                .join(Webhook, Webhook.id == Notification.webhook_id)
+                .where(Notification.id.in_(ids))
+                .order_by(Notification.id)
+            ).all()
+            claims = [
+                _Claim(
+                    id=note.id,
+                    attempts=note.attempts,
+                    url=hook.url,
+                    body=render(
+                        alert_message(
+                            note.id,
+                            note.transition,
+                            alert,
+                            run,
+                            self._settings,
+                            attempt=note.attempts,
+                        ),
+                        hook.format,
+                    ),
+                )
+                for note, alert, run, hook in rows
+            ]
+            session.commit()
+        return claims
+
+    def record(self, claims: list[_Claim], outcomes: list[Outcome]) -> None:
+        """Store each attempt's outcome: delivered, retried later, or failed for good."""
+        now = utcnow()
+        with self._sessions() as session:
+            begin_write(session)
+            for claim, outcome in zip(claims, outcomes):
+                values: dict[str, Any] = {
+                    "response_status": outcome.status,
+                    "last_error": outcome.error,
+                }
+                if outcome.delivered:
+                    values.update(status="delivered", delivered_at=now)
+                else:
+                    delay = retry_delay(
+                        claim.attempts,
+                        outcome.status,
+                        max_attempts=self._settings.webhook_max_attempts,
+                        base=self._settings.webhook_retry_base,
+                        rng=self._rng,
+                    )
+                    if delay is None:
+                        values.update(status="failed")
+                    else:
+                        values.update(next_attempt_at=now + timedelta(seconds=delay))
+                # Only while the claim is ours: a claim that outlived its lease was taken
+                # over, and the newer attempt's outcome wins.
+                session.execute(
+                    update(Notification)
+                    .where(
+                        Notification.id == claim.id,
+                        Notification.attempts == claim.attempts,
+                        Notification.status == "pending",
+                    )
+                    .values(**values)
+                )
+            session.commit()

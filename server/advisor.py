@@ -1,0 +1,396 @@
+"""The restart advisor: which of a run's checkpoints to restart from, and why.
+
+A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
+
+1. the loss scale was >= `min_loss_scale` (1.0: the OPT-175B team's "healthy" scalar) and
+   not mid-fall: no strict fall of the scale between consecutive steps in the
+   `fall_window` steps up to it, nor across its own step (a fall from step s to s+1 means
+   step s itself overflowed, and the saved scaler state already holds the halving);
+2. no critical alert was firing (fired_step <= step < resolved_step, or not resolved);
+3. the final-layer activation norm (mean over tokens) was within the run's own robust
+   baseline before it: <= median + k * 1.4826 * MAD of the step-rollup extremes of the
+   `baseline_buckets` rollups (64 steps each) that end before it;
+4. it precedes the incident onset by at least `margin_steps`.
+
+The incident is the first one that reached critical: the critical alert that fired first,
+plus every precursor (`PRECURSOR_RULES`, or any critical alert) still open, or resolved
+less than `incident_gap` steps, when the incident's earliest member started. Its onset is
+the earliest `started_step` among them: for OPT-175B's signature that is the activation
+norm spike, not the collapse of the scale that followed.
+
+Why a margin: a rule's condition is a threshold over a baseline, so it first holds some
+way into the build-up of an incident (the norm grows for a while before it is "far above"
+its baseline), and a checkpoint saved during that build-up already holds weights on their
+way to diverging. The default margin is 2% of the run (at least 20 steps): one checkpoint
+interval of a typical long run, and a cheap insurance next to restarting into the same
+divergence. Pass `margin_steps` to override it.
+
+Reads stay cheap on long runs: per checkpoint, the ~`fall_window` raw steps up to it and
+at most `baseline_buckets` rollup rows (falling back to at most 256 raw steps when too
+few rollups precede an early checkpoint), plus the run's alerts.
+
+>>> restart_candidates(session, run_id)  # doctest: +SKIP
+RestartCandidates(run_id=7, onset_step=115, onset_rule='activation_norm_spike', ...)
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from itertools import pairwise
+from statistics import median
+from typing import Any
+
+from sqlalchemy import func, select
+from sqlalchemy.orm import Session
+
+from ampwatch.agent.wire import encode_float
+from ampwatch.server.history import run_checkpoints
+from ampwatch.server.models import Alert, Step, StepRollup
+from ampwatch.server.rollups import ROLLUP_WIDTH
+from ampwatch.server.schemas import (
+    CheckpointPublic,
+    RestartCandidate,
+    RestartCandidates,
+    RestartCheckpoint,
+)
+
+#: Rules whose alerts announce or make up a divergence: chained into the incident that
+#: reached critical. Others (no_data, configuration findings, per-layer underflow
+#: warnings that may stand for the whole run) would drag the onset back to step 0.
+PRECURSOR_RULES = frozenset(
+    {
+        "activation_norm_spike",
+        "skip_rate",
+        "loss_scale_collapse",
+        "scale_floor_stall",
+        "nan_loss",
+    }
+)
+#: Never part of an incident: the agent going quiet says nothing about the weights.
+NOT_PRECURSORS = frozenset({"no_data"})
+#: MAD of normally distributed values times this is their standard deviation.
+MAD_TO_SIGMA = 1.4826
+#: Fewer baseline values than this: the activation norm is not judged.
+MIN_BASELINE_VALUES = 8
+
+
+@dataclass(frozen=True)
+class AdvisorConfig:
+    """The advisor's thresholds (module docstring); every one can be overridden."""
+
+    min_loss_scale: float = 1.0
+    fall_window: int = 20
+    baseline_buckets: int = 16
+    baseline_k: float = 4.0
+    #: The baseline's spread is at least this share of its median: a norm that barely
+    #: moves must not reject a checkpoint for a 1% wobble.
+    baseline_rel_floor: float = 0.05
+    margin_fraction: float = 0.02
+    margin_min_steps: int = 20
+    incident_gap: int = 50
+    rank: int = 0
+    precursor_rules: frozenset[str] = field(default=PRECURSOR_RULES)
+
+
+@dataclass(frozen=True)
+class _AlertSpan:
+    rule: str
+    layer: str
+    severity: str
+    started_step: int
+    fired_step: int | None
+    resolved_step: int | None
+
+    def firing_at(self, step: int) -> bool:
+        return (
+            self.fired_step is not None
+            and self.fired_step <= step
+            and (self.resolved_step is None or step < self.resolved_step)
+        )
+
+
+@dataclass(frozen=True)
+class Onset:
+    step: int
+    rule: str
+
+
+def _fmt(value: float, digits: int = 6) -> str:
+    """A value for a reason: 6 significant digits (loss scales are exact powers of two
+    up to 2^19), or the wire's "NaN" / "Infinity"."""
+    return f"{value:.{digits}g}" if math.isfinite(value) else str(encode_float(value))
+
+
+def _fmt3(value: float) -> str:
+    return _fmt(value, 3)
+
+
+def incident_onset(alerts: list[_AlertSpan], *, config: AdvisorConfig) -> Onset | None:
+    """Where the run's first incident that reached critical began, or None if none did.
+
+    >>> incident_onset([_AlertSpan("skip_rate", "", "warning", 90, 95, None),
+    ...                 _AlertSpan("loss_scale_collapse", "", "critical", 110, 112, None)],
+    ...                config=AdvisorConfig())
+    Onset(step=90, rule='skip_rate')
+    """
+    criticals = [a for a in alerts if a.severity == "critical" and a.fired_step is not None]
+    if not criticals:
+        return None
+    first = min(criticals, key=lambda a: (a.fired_step, a.started_step))
+    members = [
+        a
+        for a in alerts
+        if a.rule not in NOT_PRECURSORS
+        and (a.severity == "critical" or a.rule in config.precursor_rules)
+    ]
+    onset = Onset(first.started_step, first.rule)
+    moved = True
+    while moved:  # chain back: each member open (or just closed) when the next began
+        moved = False
+        for alert in members:
+            open_then = alert.resolved_step is None or (
+                alert.resolved_step >= onset.step - config.incident_gap
+            )
+            if alert.started_step < onset.step and open_then:
+                onset = Onset(alert.started_step, alert.rule)
+                moved = True
+    return onset
+
+
+def margin_for(last_step: int | None, *, config: AdvisorConfig) -> int:
+    """Steps a healthy checkpoint must precede the onset by: a share of the run, floored."""
+    return max(config.margin_min_steps, math.ceil(config.margin_fraction * (last_step or 0)))
+
+
+def _baseline(session: Session, run_id: int, step: int, config: AdvisorConfig) -> list[float]:
+    """Activation norms before `step` to judge it against: the min and max of each of the
+    latest rollups that end before it, or the raw steps for an early checkpoint."""
+    rollups = session.execute(
+        select(StepRollup.act_norm_mean_min, StepRollup.act_norm_mean_max)
+        .where(
+            StepRollup.run_id == run_id,
+            StepRollup.rank == config.rank,
+            StepRollup.bucket_start <= step - ROLLUP_WIDTH,
+        )
+        .order_by(StepRollup.bucket_start.desc())
+        .limit(config.baseline_buckets)
+    ).all()
+    values = [v for row in rollups for v in row if v is not None and math.isfinite(v)]
+    if len(values) >= MIN_BASELINE_VALUES:
+        return values
+    raw = session.scalars(
+        select(Step.act_norm_mean).where(
+            Step.run_id == run_id,
+            Step.rank == config.rank,
+            Step.step.between(max(0, step - 4 * ROLLUP_WIDTH), step - 1),
+        )
+    ).all()
+    return [v for v in raw if v is not None and math.isfinite(v)]
+
+
+@dataclass
+class _Judgement:
+    failures: list[str] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+    loss_scale: float | None = None
+    act_norm: float | None = None
+
+
+def _judge(
+    session: Session,
+    run_id: int,
+    checkpoint: CheckpointPublic,
+    alerts: list[_AlertSpan],
+    onset: Onset | None,
+    margin: int,
+    config: AdvisorConfig,
+) -> _Judgement:
+    verdict = _Judgement()
+    step = checkpoint.step
+    if step is None:
+        verdict.failures.append("the checkpoint event carries no step")
+        return verdict
+    rows = session.execute(
+        select(Step.step, Step.loss_scale, Step.act_norm_mean)
+        .where(
+            Step.run_id == run_id,
+            Step.rank == config.rank,
+            Step.step.between(max(0, step - config.fall_window), step + 1),
+        )
+        .order_by(Step.step)
+    ).all()
+    at = [row for row in rows if row.step <= step]
+    if not at:
+        verdict.failures.append(
+            f"no step data within {config.fall_window} steps before step {step}: "
+            "its health cannot be checked"
+        )
+    else:
+        here = at[-1]
+        verdict.loss_scale, verdict.act_norm = here.loss_scale, here.act_norm_mean
+        _judge_scale(verdict, rows, here.loss_scale, config)
+        _judge_act_norm(verdict, session, run_id, step, here.act_norm_mean, config)
+    for alert in alerts:
+        if alert.severity == "critical" and alert.firing_at(step):
+            where = f" on {alert.layer}" if alert.layer else ""
+            verdict.failures.append(
+                f"critical alert {alert.rule}{where} firing at step {step} "
+                f"(fired at step {alert.fired_step})"
+            )
+    if onset is not None:
+        if step >= onset.step:
+            verdict.failures.append(f"after incident onset at step {onset.step} ({onset.rule})")
+        elif onset.step - step < margin:
+            verdict.failures.append(
+                f"only {onset.step - step} steps before incident onset at step {onset.step} "
+                f"({onset.rule}); the margin is {margin} steps"
+            )
+        else:
+            verdict.notes.append(
+                f"{onset.step - step} steps before onset at step {onset.step} ({onset.rule})"
+            )
+    else:
+        verdict.notes.append("no incident reached critical")
+    return verdict
+
+
+def _judge_scale(
+    verdict: _Judgement, rows: list[Any], scale: float | None, config: AdvisorConfig
+) -> None:
+    if scale is None:
+        verdict.notes.insert(0, "no loss scale reported (no scaler)")
+        return
+    if not scale >= config.min_loss_scale:  # NaN fails too
+        verdict.failures.append(f"loss scale {_fmt(scale)} < {_fmt(config.min_loss_scale)}")
+    else:
+        verdict.notes.insert(0, f"scale {_fmt(scale)}")
+    falls = [
+        (before, after)
+        for before, after in pairwise(rows)
+        if before.loss_scale is not None
+        and after.loss_scale is not None
+        and after.loss_scale < before.loss_scale
+    ]
+    if falls:
+        before, after = falls[-1]
+        verdict.failures.append(
+            f"loss scale mid-fall: {_fmt(before.loss_scale)} -> {_fmt(after.loss_scale)} "
+            f"between steps {before.step} and {after.step} (window: {config.fall_window} "
+            "steps up to the checkpoint and its own step)"
+        )
+
+
+def _judge_act_norm(
+    verdict: _Judgement,
+    session: Session,
+    run_id: int,
+    step: int,
+    norm: float | None,
+    config: AdvisorConfig,
+) -> None:
+    if norm is None:
+        verdict.notes.append("no activation norm reported")
+        return
+    if not math.isfinite(norm):
+        verdict.failures.append(f"act norm {_fmt3(norm)} is not finite")
+        return
+    values = _baseline(session, run_id, step, config)
+    if len(values) < MIN_BASELINE_VALUES:
+        verdict.notes.append(f"act norm {_fmt3(norm)} (too little history for a baseline)")
+        return
+    center = median(values)
+    mad = median(abs(v - center) for v in values)
+    band = config.baseline_k * max(MAD_TO_SIGMA * mad, config.baseline_rel_floor * abs(center))
+    if norm > center + band:
+        verdict.failures.append(
+            f"act norm {_fmt3(norm)} above baseline {_fmt3(center)}±{band:.2g} "
+            f"(limit {_fmt3(center + band)})"
+        )
+    else:
+        verdict.notes.append(f"act norm {_fmt3(norm)} within baseline {_fmt3(center)}±{band:.2g}")
+
+
+def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
+    rows = session.execute(
+        select(
+            Alert.rule,
+            Alert.layer,
+            Alert.severity,
+            Alert.started_step,
+            Alert.fired_step,
+            Alert.resolved_step,
+        ).where(Alert.run_id == run_id)
+    ).all()
+    return [_AlertSpan(*row) for row in rows]
+
+
+def restart_candidates(
+    session: Session,
+    run_id: int,
+    *,
+    config: AdvisorConfig | None = None,
+    margin_steps: int | None = None,
+) -> RestartCandidates:
+    """Judge every checkpoint of run `run_id` and name the latest healthy one.
+
+    Candidates come ranked: the recommended one, the other healthy ones (latest first),
+    then the rejected ones (latest first); each with the reasons for its verdict.
+    """
+    config = config or AdvisorConfig()
+    alerts = run_alerts(session, run_id)
+    onset = incident_onset(alerts, config=config)
+    if margin_steps is None:
+        last_step = session.scalar(
+            select(func.max(Step.step)).where(Step.run_id == run_id, Step.rank == config.rank)
+        )
+        margin_steps = margin_for(last_step, config=config)
+    checkpoints = run_checkpoints(session, run_id).checkpoints
+    judged = [
+        (c, _judge(session, run_id, c, alerts, onset, margin_steps, config)) for c in checkpoints
+    ]
+    healthy = [(c, j) for c, j in judged if not j.failures]
+    best = max(healthy, key=lambda cj: (cj[0].step or 0, cj[0].time), default=None)
+
+    candidates: list[RestartCandidate] = []
+    for checkpoint, judgement in judged:
+        summary = ", ".join(judgement.notes)
+        if judgement.failures:
+            verdict, reasons = "rejected", judgement.failures
+        elif best is not None and checkpoint is best[0]:
+            verdict, reasons = "recommended", [f"latest healthy checkpoint: {summary}"]
+        else:
+            assert best is not None
+            verdict = "healthy"
+            reasons = [
+                f"healthy: {summary}",
+                f"a later healthy checkpoint (step {best[0].step}) is recommended",
+            ]
+        candidates.append(
+            RestartCandidate(
+                step=checkpoint.step,
+                path=checkpoint.path,
+                time=checkpoint.time,
+                verdict=verdict,  # type: ignore[arg-type]
+                reasons=reasons,
+                loss_scale=encode_float(judgement.loss_scale),
+                act_norm=encode_float(judgement.act_norm),
+            )
+        )
+    order = {"recommended": 0, "healthy": 1, "rejected": 2}
+    candidates.sort(
+        key=lambda c: (order[c.verdict], -(c.step if c.step is not None else -1), -c.time)
+    )
+    recommended = (
+        RestartCheckpoint(step=best[0].step, path=best[0].path, time=best[0].time)
+        if best is not None
+        else None
+    )
+    return RestartCandidates(
+        run_id=run_id,
+        onset_step=onset.step if onset is not None else None,
+        onset_rule=onset.rule if onset is not None else None,
+        margin_steps=margin_steps,
+        recommended=recommended,
+        candidates=candidates,
+    )

@@ -1,0 +1,37 @@
+"""`/api/v1/runs/{id}/restart-candidates`: the restart advisor (`ampwatch.server.advisor`)."""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+from fastapi import APIRouter, Query
+
+from ampwatch.server.advisor import AdvisorConfig, restart_candidates
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.schemas import MAX_BIGINT, RestartCandidates
+
+router = APIRouter(prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS)
+
+
+@router.get("/{run_id}/restart-candidates")
+def get_restart_candidates(
+    run_id: RunIdDep,
+    session: SessionDep,
+    margin_steps: Annotated[
+        int | None,
+        Query(
+            ge=0,
+            le=MAX_BIGINT,
+            description="Steps a healthy checkpoint must precede the incident onset by "
+            "(default: 2% of the run, at least 20).",
+        ),
+    ] = None,
+    min_loss_scale: Annotated[
+        float,
+        Query(gt=0, allow_inf_nan=False, description="Lowest healthy loss scale."),
+    ] = AdvisorConfig.min_loss_scale,
+) -> RestartCandidates:
+    """The run's checkpoints ranked for a restart, each with the reasons for its verdict;
+    `recommended` is the latest healthy one (null when none is)."""
+    config = AdvisorConfig(min_loss_scale=min_loss_scale)
+    return restart_candidates(session, run_id, config=config, margin_steps=margin_steps)
