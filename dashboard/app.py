@@ -1,5 +1,8 @@
 """Builds the Dash app: a shell with a `dcc.Location` router over the pages in `pages/`.
 
+Pages: `/` runs overview, `/run/<id>` a run, `/run/<id>/layer/<name>` one layer,
+`/compare?runs=1,2` runs overlaid.
+
 Why not Dash's `use_pages`: `dash.register_page` writes to one process-wide registry
 (`dash.page_registry`), so two apps in one process (the tests make many; a collector could
 serve two mounts) would share and clobber pages. Here each page module exposes
@@ -15,17 +18,20 @@ from __future__ import annotations
 
 import re
 from typing import Any
+from urllib.parse import unquote
 
 import dash
 import httpx
-from dash import Input, Output, dcc, html
+from dash import Input, Output, State, dcc, html
 
 from ampwatch.dashboard import ids
 from ampwatch.dashboard.client import CollectorClient
-from ampwatch.dashboard.pages import run, runs
-from ampwatch.dashboard.urls import href, page_path
+from ampwatch.dashboard.pages import compare, layer, run, runs
+from ampwatch.dashboard.urls import compare_path, href, page_path, query_ints
 
 RUN_PATH = re.compile(r"^run/(\d+)$")
+LAYER_PATH = re.compile(r"^run/(\d+)/layer/(.+)$")
+PAGES = (runs, run, layer, compare)
 
 # Inline, so the package ships no assets folder that an install could forget.
 INDEX_STRING = """<!DOCTYPE html>
@@ -35,8 +41,9 @@ INDEX_STRING = """<!DOCTYPE html>
 <style>
 body { font-family: system-ui, sans-serif; margin: 0; color: #222; background: #fafafa; }
 .topbar { background: #1f2937; padding: 10px 24px; }
-.topbar a { color: #fff; font-weight: 600; text-decoration: none; }
-.content { padding: 8px 24px 24px; max-width: 1400px; }
+.topbar a { color: #fff; font-weight: 600; text-decoration: none; margin-right: 24px; }
+.topbar a.nav { font-weight: 400; }
+.content { padding: 8px 24px 24px; max-width: 1400px; box-sizing: border-box; }
 table.runs { border-collapse: collapse; width: 100%; background: #fff; }
 table.runs th, table.runs td { padding: 6px 12px; border-bottom: 1px solid #e5e7eb;
   text-align: left; }
@@ -45,9 +52,39 @@ table.runs td.num { text-align: right; font-variant-numeric: tabular-nums; }
 .status-running { color: #15803d; }
 .status-ended { color: #6b7280; }
 dl.facts { display: flex; flex-wrap: wrap; gap: 4px 24px; margin: 0 0 8px; }
+dl.facts > div { display: flex; align-items: baseline; }
 dl.facts dt { color: #6b7280; font-size: 0.85em; }
 dl.facts dd { margin: 0 0 0 6px; font-weight: 600; }
 .error { color: #b91c1c; }
+.muted { color: #6b7280; }
+.title-row { display: flex; align-items: center; gap: 16px; }
+.title-row .aside { margin-left: auto; }
+.badge { display: inline-block; padding: 1px 8px; border-radius: 10px; font-size: 0.8em;
+  font-weight: 600; margin-right: 6px; background: #e5e7eb; color: #374151; }
+.badge.health-ok { background: #dcfce7; color: #166534; }
+.badge.health-warning { background: #ffedd5; color: #9a3412; }
+.badge.health-critical { background: #fee2e2; color: #991b1b; }
+.badge.status-firing { background: #991b1b; color: #fff; }
+.filters { display: flex; gap: 12px; margin: 8px 0 12px; align-items: center; }
+.filters input[type="search"] { padding: 6px 8px; width: 280px; border: 1px solid #d1d5db;
+  border-radius: 4px; }
+.filters .dash-dropdown { width: 180px; }
+button.sort { background: none; border: none; font: inherit; font-weight: 600;
+  cursor: pointer; padding: 0; color: inherit; }
+.pair { display: grid; grid-template-columns: 1fr 1fr; gap: 8px; }
+.controls { display: flex; gap: 24px; align-items: center; margin: 12px 0 0; }
+.controls .dash-dropdown { width: 420px; }
+ul.alerts { list-style: none; padding: 0; }
+li.alert { background: #fff; border-left: 4px solid #d1d5db; padding: 6px 12px;
+  margin-bottom: 6px; }
+li.alert-firing { border-left-color: #d62728; }
+li.alert .message { margin-top: 2px; }
+li.alert .values { font-size: 0.85em; font-family: ui-monospace, monospace; }
+tr.candidate-recommended { background: #dcfce7; font-weight: 600; }
+tr.candidate-rejected { color: #6b7280; }
+.verdict-recommended { color: #166534; }
+.recommend { font-weight: 600; color: #166534; }
+.crumbs { margin-top: 12px; }
 </style>
 </head>
 <body>
@@ -83,8 +120,14 @@ def create_dash_app(
     )
     shell = html.Div(
         [
-            dcc.Location(id=ids.URL),
-            html.Nav(dcc.Link("ampwatch", href=href(app, "/")), className="topbar"),
+            # callback-nav: a callback that sets the URL (heatmap click → layer page)
+            # navigates inside the app instead of reloading it.
+            dcc.Location(id=ids.URL, refresh="callback-nav"),
+            html.Nav(
+                [dcc.Link("ampwatch", href=href(app, "/")),
+                 dcc.Link("compare", href=href(app, compare_path([])), className="nav")],
+                className="topbar",
+            ),
             html.Main(id=ids.PAGE, className="content"),
         ]
     )
@@ -92,15 +135,24 @@ def create_dash_app(
     # Callbacks target ids that exist only once their page is shown; the validation
     # layout lists every page so Dash still checks each id instead of suppressing errors.
     # (Dash annotates `validation_layout` as None, though it documents a component.)
-    app.validation_layout = html.Div([shell, runs.layout(), run.layout()])  # type: ignore[assignment]
+    app.validation_layout = html.Div(  # type: ignore[assignment]
+        [shell, *(page.layout() for page in PAGES)]
+    )
 
-    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"))
-    def route(pathname: str | None) -> Any:
+    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"),
+                  State(ids.URL, "search"))
+    def route(pathname: str | None, search: str | None) -> Any:
         path = page_path(app, pathname)
         if path == "":
             return runs.layout()
         if match := RUN_PATH.match(path):
-            return run.layout(run_id=int(match.group(1)))
+            return run.layout(run_id=int(match.group(1)), client=client)
+        if match := LAYER_PATH.match(path):
+            steps = query_ints(search, "step")
+            return layer.layout(run_id=int(match.group(1)), layer=unquote(match.group(2)),
+                                step=steps[0] if steps else None)
+        if path == "compare":
+            return compare.layout(run_ids=query_ints(search, "runs"), client=client)
         return html.Div(
             [
                 html.H2("Page not found"),
@@ -109,6 +161,6 @@ def create_dash_app(
             ]
         )
 
-    runs.register_callbacks(app, client)
-    run.register_callbacks(app, client)
+    for page in PAGES:
+        page.register_callbacks(app, client)
     return app

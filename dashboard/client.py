@@ -13,9 +13,11 @@ must tell "not measured" (null) from "measured NaN".
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from typing import Any, TypeVar
+from urllib.parse import quote
 
 import httpx
 
@@ -27,6 +29,13 @@ STEP_POINTS = 2000
 #: A 200 x 200 heatmap is ~0.3 MB of JSON; the 500 x 500 server default is ~4.6 MB.
 HEATMAP_STEPS = 200
 HEATMAP_LAYERS = 200
+#: Histograms (animation frames) of one layer fetched for its drill-down page.
+HISTOGRAM_FRAMES = 60
+#: A layer dropdown lists at most this many parameter tensors.
+MAX_LAYER_NAMES = 5000
+#: Alerts of one run read at once (the collector's largest page; newest first).
+MAX_ALERTS = 1000
+NO_STEP = 2**63 - 1  # the largest step the API accepts; no run gets there
 T = TypeVar("T")
 
 
@@ -61,6 +70,10 @@ class RunSummary:
     last_step: int | None
     last_loss_scale: float | None
     skipped_steps: int
+    #: 'ok' | 'warning' | 'critical': the worst firing alert (kept by the alert engine).
+    health: str = "ok"
+    #: Skipped share over the run's last ~1,024 steps (the collector's recent rollups).
+    skip_rate: float | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> RunSummary:
@@ -76,6 +89,8 @@ class RunSummary:
             last_step=data.get("last_step"),
             last_loss_scale=decode_float(data.get("last_loss_scale")),
             skipped_steps=int(data["skipped_steps"]),
+            health=str(data.get("health") or "ok"),
+            skip_rate=data.get("skip_rate"),
         )
 
     def to_json(self) -> dict[str, Any]:
@@ -94,6 +109,10 @@ class StepSeries:
     lr: list[float | None]
     act_norm_mean: list[float | None]
     act_norm_max: list[float | None]
+    #: Steps each point stands for that were skipped (1/0 for exact rows).
+    skipped_count: list[int]
+    #: Steps per bucket: 1 = exact rows; else two points (min, max) per bucket.
+    bucket_width: int = 1
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepSeries:
@@ -103,13 +122,25 @@ class StepSeries:
             name: _decode_all(data.get(name) or [None] * len(steps)) for name in STEP_FLOAT_FIELDS
         }
         skipped = [bool(s) for s in data.get("skipped") or [False] * len(steps)]
-        return cls(step=steps, skipped=skipped, **floats)
+        counts = data.get("skipped_count") or [int(s) for s in skipped]
+        return cls(step=steps, skipped=skipped, skipped_count=[int(c) for c in counts],
+                   bucket_width=int(data.get("bucket_width") or 1), **floats)
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"step": self.step, "skipped": self.skipped}
+        data: dict[str, Any] = {"step": self.step, "skipped": self.skipped,
+                                "skipped_count": self.skipped_count,
+                                "bucket_width": self.bucket_width}
         for name in STEP_FLOAT_FIELDS:
             data[name] = _encode_all(getattr(self, name))
         return data
+
+    @property
+    def last_step(self) -> int | None:
+        return self.step[-1] if self.step else None
+
+
+#: The columns of a step series in the store (`StepSeries.to_json`) that grow with steps.
+STEP_COLUMNS = ("step", "skipped", "skipped_count", *STEP_FLOAT_FIELDS)
 
 
 @dataclass(frozen=True)
@@ -120,6 +151,8 @@ class LayerMatrix:
     layers: list[str]
     steps: list[int]
     values: list[list[float | None]]
+    #: Steps per row: > 1 when the collector merged rows (`steps[i]` starts the bucket).
+    step_width: int = 1
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerMatrix:
@@ -128,14 +161,26 @@ class LayerMatrix:
             layers=[str(name) for name in data.get("layers", [])],
             steps=[int(s) for s in data.get("steps", [])],
             values=[_decode_all(row) for row in data.get("values", [])],
+            step_width=int(data.get("step_width") or 1),
         )
 
-    def to_json(self) -> dict[str, Any]:
+    @property
+    def next_step(self) -> int | None:
+        """The first step after the last row's bucket: where newer rows start."""
+        return self.steps[-1] + self.step_width if self.steps else None
+
+    def to_json(self, *, decimals: int | None = None) -> dict[str, Any]:
+        """The API's shape; `decimals` rounds finite values (a store for display needs no
+        more than a colour's precision, and 0.1234 is a third of 0.12345678901234567)."""
+        rows = self.values if decimals is None else [
+            [v if v is None or not math.isfinite(v) else round(v, decimals) for v in row]
+            for row in self.values
+        ]
         return {
             "stat": self.stat,
             "layers": self.layers,
             "steps": self.steps,
-            "values": [_encode_all(row) for row in self.values],
+            "values": [_encode_all(row) for row in rows],
         }
 
 
@@ -159,6 +204,164 @@ class RunEvent:
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+@dataclass(frozen=True)
+class LayerSeries:
+    """`GET /runs/{id}/layers/{name}/series?stat=...`: one layer's statistic over steps."""
+
+    layer: str
+    stat: str
+    step: list[int]
+    value: list[float | None]
+    bucket_width: int = 1
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerSeries:
+        return cls(
+            layer=str(data["layer"]),
+            stat=str(data["stat"]),
+            step=[int(s) for s in data.get("step", [])],
+            value=_decode_all(data.get("value", [])),
+            bucket_width=int(data.get("bucket_width") or 1),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "value": _encode_all(self.value)}
+
+
+@dataclass(frozen=True)
+class LayerHistograms:
+    """`GET /runs/{id}/layers/{name}/histograms`: `counts[i][j]` elements of the gradient at
+    `steps[i]` have float32 exponent field `offsets[i] + j` (`ampwatch.agent.wire`)."""
+
+    layer: str
+    steps: list[int]
+    offsets: list[int]
+    counts: list[list[int]]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> LayerHistograms:
+        return cls(
+            layer=str(data["layer"]),
+            steps=[int(s) for s in data.get("steps", [])],
+            offsets=[int(o) for o in data.get("offsets", [])],
+            counts=[[int(c) for c in row] for row in data.get("counts", [])],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def merged(self, other: LayerHistograms) -> LayerHistograms:
+        """Both sets of histograms, ordered by step (`other` wins a step both hold)."""
+        by_step = {s: (o, c) for s, o, c in zip(self.steps, self.offsets, self.counts,
+                                                strict=True)}
+        by_step.update(zip(other.steps, zip(other.offsets, other.counts, strict=True),
+                           strict=True))
+        steps = sorted(by_step)
+        return LayerHistograms(self.layer, steps, [by_step[s][0] for s in steps],
+                               [by_step[s][1] for s in steps])
+
+
+@dataclass(frozen=True)
+class Alert:
+    """One alert of `GET /runs/{id}/alerts` (the alert engine's contract)."""
+
+    id: int
+    rule: str
+    layer: str | None
+    severity: str
+    status: str  # 'pending' | 'firing' | 'resolved'
+    started_step: int | None
+    fired_step: int | None
+    resolved_step: int | None
+    started_at: float | None  # Unix seconds, when the collector saw it
+    fired_at: float | None
+    resolved_at: float | None
+    message: str
+    values: dict[str, Any]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> Alert:
+        return cls(
+            id=int(data["id"]),
+            rule=str(data["rule"]),
+            layer=data.get("layer") or None,  # '' (or null) for a run-level rule
+            severity=str(data.get("severity") or "warning"),
+            status=str(data.get("status") or "firing"),
+            started_step=data.get("started_step"),
+            fired_step=data.get("fired_step"),
+            resolved_step=data.get("resolved_step"),
+            started_at=data.get("started_at"),
+            fired_at=data.get("fired_at"),
+            resolved_at=data.get("resolved_at"),
+            message=str(data.get("message") or ""),
+            values=dict(data.get("values") or {}),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+@dataclass(frozen=True)
+class RestartCandidate:
+    """A checkpoint as the restart advisor judged it."""
+
+    step: int | None
+    path: str | None
+    time: Any
+    verdict: str  # 'recommended' | 'healthy' | 'rejected'
+    reasons: list[str]
+    loss_scale: float | None
+    act_norm: float | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestartCandidate:
+        return cls(
+            step=data.get("step"),
+            path=data.get("path"),
+            time=data.get("time"),
+            verdict=str(data.get("verdict") or ""),
+            reasons=[str(r) for r in data.get("reasons") or []],
+            loss_scale=decode_float(data.get("loss_scale")),
+            act_norm=decode_float(data.get("act_norm")),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {**asdict(self), "loss_scale": encode_float(self.loss_scale),
+                "act_norm": encode_float(self.act_norm)}
+
+
+@dataclass(frozen=True)
+class RestartAdvice:
+    """`GET /runs/{id}/restart-candidates`: the advisor's ranking of the run's checkpoints."""
+
+    onset_step: int | None
+    onset_rule: str | None
+    margin_steps: int | None
+    recommended_step: int | None
+    candidates: list[RestartCandidate]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> RestartAdvice:
+        recommended = data.get("recommended") or {}
+        return cls(
+            onset_step=data.get("onset_step"),
+            onset_rule=data.get("onset_rule"),
+            margin_steps=data.get("margin_steps"),
+            recommended_step=recommended.get("step"),
+            candidates=[RestartCandidate.from_json(c) for c in data.get("candidates") or []],
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "onset_step": self.onset_step,
+            "onset_rule": self.onset_rule,
+            "margin_steps": self.margin_steps,
+            "recommended": None if self.recommended_step is None
+            else {"step": self.recommended_step},
+            "candidates": [c.to_json() for c in self.candidates],
+        }
 
 
 class CollectorClient:
@@ -188,10 +391,13 @@ class CollectorClient:
             limits=httpx.Limits(max_keepalive_connections=0),
         )
 
-    def _get(self, path: str, parse: Callable[[Any], T], **params: str | int) -> T:
-        """GET `path` and parse its JSON; every failure becomes a `CollectorError`."""
+    def _get(self, path: str, parse: Callable[[Any], T], **params: str | int | None) -> T:
+        """GET `path` and parse its JSON; every failure becomes a `CollectorError`.
+
+        Parameters that are None are left out (the collector's default applies)."""
+        query = {name: value for name, value in params.items() if value is not None}
         try:
-            response = self._http.get(path, params=params)
+            response = self._http.get(path, params=query)
         except httpx.HTTPError as exc:
             raise CollectorError(
                 f"cannot reach the collector at {self.api_url} ({exc}); is it running?"
@@ -218,17 +424,60 @@ class CollectorClient:
         """One run; raises `RunNotFound` for an unknown id."""
         return self._get(f"/runs/{run_id}", RunSummary.from_json)
 
-    def steps(self, run_id: int, *, rank: int = 0, max_points: int = STEP_POINTS) -> StepSeries:
-        """Downsampled by the collector (min/max per bucket: spikes and skips survive)."""
+    def steps(self, run_id: int, *, rank: int = 0, start: int | None = None,
+              end: int | None = None, max_points: int = STEP_POINTS) -> StepSeries:
+        """Steps in [start, end] (default: all), downsampled by the collector (min/max per
+        bucket: spikes and skips survive); a zoomed window gets finer buckets."""
         return self._get(f"/runs/{run_id}/steps", StepSeries.from_json, rank=rank,
-                         max_points=max_points)
+                         start=start, end=end, max_points=max_points)
 
-    def layer_matrix(self, run_id: int, stat: str, *, rank: int = 0,
-                     max_steps: int = HEATMAP_STEPS, max_layers: int = HEATMAP_LAYERS
-                     ) -> LayerMatrix:
+    def layer_matrix(self, run_id: int, stat: str, *, rank: int = 0, start: int | None = None,
+                     end: int | None = None, max_steps: int = HEATMAP_STEPS,
+                     max_layers: int = HEATMAP_LAYERS) -> LayerMatrix:
         """Downsampled on both axes by the collector (max per cell: a frozen layer shows)."""
         return self._get(f"/runs/{run_id}/layers", LayerMatrix.from_json, stat=stat, rank=rank,
-                         max_steps=max_steps, max_layers=max_layers)
+                         start=start, end=end, max_steps=max_steps, max_layers=max_layers)
+
+    def layer_names(self, run_id: int) -> list[str]:
+        """Every parameter tensor of the run, in model order: the matrix's columns over a
+        window past any step, so that no row is read."""
+        return self._get(f"/runs/{run_id}/layers", lambda d: [str(n) for n in d["layers"]],
+                         start=NO_STEP, end=NO_STEP, max_layers=MAX_LAYER_NAMES)
+
+    def layer_series(self, run_id: int, layer: str, stat: str, *, rank: int = 0,
+                     start: int | None = None, end: int | None = None,
+                     max_points: int = STEP_POINTS) -> LayerSeries:
+        return self._get(f"/runs/{run_id}/layers/{quote(layer, safe='')}/series",
+                         LayerSeries.from_json, stat=stat, rank=rank, start=start, end=end,
+                         max_points=max_points)
+
+    def layer_histograms(self, run_id: int, layer: str, *, rank: int = 0,
+                         step: int | None = None, max_points: int = HISTOGRAM_FRAMES
+                         ) -> LayerHistograms:
+        """The layer's exponent histograms, evenly thinned by the collector to `max_points`,
+        or the one at exactly `step` (none when that step was not sampled)."""
+        return self._get(f"/runs/{run_id}/layers/{quote(layer, safe='')}/histograms",
+                         LayerHistograms.from_json, rank=rank, step=step,
+                         max_points=max_points)
+
+    def alerts(self, run_id: int) -> list[Alert] | None:
+        """The run's alerts, or None when this collector has no alert engine (404)."""
+        return self._get_optional(
+            f"/runs/{run_id}/alerts", lambda d: [Alert.from_json(a) for a in d["alerts"]],
+            limit=MAX_ALERTS,
+        )
+
+    def restart_candidates(self, run_id: int) -> RestartAdvice | None:
+        """The restart advisor's verdicts, or None when this collector has no advisor (404)."""
+        return self._get_optional(f"/runs/{run_id}/restart-candidates", RestartAdvice.from_json)
+
+    def _get_optional(self, path: str, parse: Callable[[Any], T], **params: str | int
+                      ) -> T | None:
+        # Called after the run itself was read, so a 404 means the route is missing.
+        try:
+            return self._get(path, parse, **params)
+        except RunNotFound:
+            return None
 
     def events(self, run_id: int) -> list[RunEvent]:
         return self._get(

@@ -66,29 +66,96 @@ def events_json() -> dict[str, Any]:
 
 
 @pytest.fixture
+def alerts_json() -> dict[str, Any]:
+    """The alert engine's answer: one firing collapse, one resolved layer alert."""
+    common = {"run_id": RUN_ID, "started_at": 1.0, "fired_at": 2.0, "resolved_at": None}
+    return {
+        "alerts": [
+            {**common, "id": 2, "rule": "loss_scale_collapse", "layer": "",
+             "severity": "critical", "status": "firing", "started_step": 3, "fired_step": 5,
+             "resolved_step": None, "message": "loss scale 0.5 is below min_scale 1",
+             "values": {"loss_scale": 0.5, "min_scale": 1.0}},
+            {**common, "id": 1, "rule": "silent_underflow", "layer": "head.weight",
+             "severity": "critical", "status": "resolved", "started_step": 2, "fired_step": 2,
+             "resolved_step": 4, "resolved_at": 3.0,
+             "message": "head.weight: every gradient element exactly zero", "values": {}},
+        ],
+        "total": 2, "limit": 1000, "offset": 0,
+    }
+
+
+@pytest.fixture
+def advice_json() -> dict[str, Any]:
+    """The restart advisor's answer: step 4 recommended, step 6 rejected."""
+    return {
+        "run_id": RUN_ID, "onset_step": 5, "onset_rule": "loss_scale_collapse",
+        "margin_steps": 1,
+        "recommended": {"step": 4, "path": "/ckpt/4.pt", "time": 2.0},
+        "candidates": [
+            {"step": 4, "path": "/ckpt/4.pt", "time": 2.0, "verdict": "recommended",
+             "reasons": ["latest healthy checkpoint"], "loss_scale": 32768.0, "act_norm": 8.0},
+            {"step": 6, "path": "/ckpt/6.pt", "time": 3.0, "verdict": "rejected",
+             "reasons": ["loss scale 0.5 < 1"], "loss_scale": 0.5, "act_norm": "NaN"},
+        ],
+    }
+
+
+@pytest.fixture
+def layer_json() -> dict[str, Any]:
+    """`head.weight`'s series (any statistic) and exponent histograms."""
+    return {
+        "series": {"layer": "head.weight", "stat": "zero_fraction", "rank": 0,
+                   "step": [2, 4, 6], "value": [1.0, 1.0, "NaN"], "bucket_width": 1},
+        "histograms": {"layer": "head.weight", "rank": 0, "steps": [2, 4, 6],
+                       "offsets": [100, 99, 0], "counts": [[1, 2], [3, 1], [5]]},
+    }
+
+
+@pytest.fixture
 def collector_transport(
     run_json: dict[str, Any],
     steps_json: dict[str, Any],
     layers_json: dict[str, Any],
     events_json: dict[str, Any],
+    alerts_json: dict[str, Any],
+    advice_json: dict[str, Any],
+    layer_json: dict[str, Any],
 ) -> Callable[..., httpx.MockTransport]:
-    """A fake collector serving the fixtures for run `RUN_ID`; 404 for anything else."""
+    """A fake collector serving the fixtures for run `RUN_ID`; 404 for anything else.
 
-    def make(**overrides: Any) -> httpx.MockTransport:
+    `make(missing=(paths...), **{path: answer})`: leave routes out (a collector without an
+    alert engine) or answer others. The transport's `requests` lists what was asked.
+    """
+
+    def make(*, missing: tuple[str, ...] = (), **overrides: Any) -> httpx.MockTransport:
+        run = f"/api/v1/runs/{RUN_ID}"
         answers = {
             "/api/v1/runs": {"runs": [run_json]},
-            f"/api/v1/runs/{RUN_ID}": run_json,
-            f"/api/v1/runs/{RUN_ID}/steps": steps_json,
-            f"/api/v1/runs/{RUN_ID}/layers": layers_json,
-            f"/api/v1/runs/{RUN_ID}/events": events_json,
+            run: run_json,
+            f"{run}/steps": steps_json,
+            f"{run}/layers": layers_json,
+            f"{run}/events": events_json,
+            f"{run}/alerts": alerts_json,
+            f"{run}/restart-candidates": advice_json,
+            f"{run}/layers/head.weight/series": layer_json["series"],
+            f"{run}/layers/head.weight/histograms": layer_json["histograms"],
             **overrides,
         }
+        for path in missing:
+            answers.pop(path)
+        requests: list[httpx.Request] = []
 
         def handle(request: httpx.Request) -> httpx.Response:
-            if request.url.path in answers:
-                return httpx.Response(200, content=json.dumps(answers[request.url.path]))
+            requests.append(request)
+            answer = answers.get(request.url.path)
+            if callable(answer):
+                answer = answer(request)
+            if answer is not None:
+                return httpx.Response(200, content=json.dumps(answer))
             return httpx.Response(404, json={"detail": "not found"})
 
-        return httpx.MockTransport(handle)
+        transport = httpx.MockTransport(handle)
+        transport.requests = requests  # type: ignore[attr-defined]
+        return transport
 
     return make

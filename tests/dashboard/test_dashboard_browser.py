@@ -1,16 +1,28 @@
-"""The dashboard in headless Chromium, mounted in a real collector holding real ingested data."""
+"""The dashboard in headless Chromium, mounted in a real collector holding real ingested data.
+
+One collector for the module: the divergence run of `divergence_run.py` (6,000 steps, a
+loss-scale collapse, checkpoints) and a shorter healthy run, ingested over HTTP, so the
+alerts and the restart advice on screen are the collector's own. Every test opens its page
+in a fresh browser context and fails on any console error. Screenshots of every page go to
+`artifacts/screenshots/` (gitignored), for people to look at.
+"""
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import pytest
+from divergence_run import CHECKPOINTS, FROZEN, LAYERS, RUN_NAME, batches
 
-from ampwatch.agent.wire import INGEST_PATH, WIRE_VERSION, encode_float
+from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.dashboard import ids
+from ampwatch.server.migrate import upgrade
+from ampwatch.server.serving import BackgroundCollector, bind_socket
+from ampwatch.server.settings import Settings
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -24,7 +36,11 @@ CHROMIUM_ARGS = [
     "--disable-sync",
 ]
 SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
-RENDER_TIMEOUT_MS = 15_000
+RENDER_TIMEOUT_MS = 30_000
+HEALTHY_NAME = "gpt-fp16-healthy"
+HEALTHY_STEPS = 3000
+RUN_GRAPHS = (ids.LOSS_SCALE_GRAPH, ids.SKIP_RATE_GRAPH, ids.GRAD_NORM_GRAPH,
+              ids.ACTIVATION_NORM_GRAPH, ids.HEATMAP_GRAPH, ids.ALERTS_GRAPH)
 
 pytestmark = [
     pytest.mark.browser,
@@ -35,148 +51,275 @@ pytestmark = [
 ]
 sync_api = pytest.importorskip("playwright.sync_api")
 
-LAYERS = ["embed.weight", "blocks.0.attn.qkv.weight", "blocks.0.mlp.fc1.weight", "head.weight"]
-SKIPPED = {10, 11, 25}
-NON_FINITE_LOSS = {11: "Infinity", 25: "NaN"}
-LAYER_EVERY = 5
-
-
-def batch(seq: int, first: int, last: int) -> dict[str, Any]:
-    """Steps `first..last`: the scale halves after each skip; `head.weight` is frozen."""
-    scale = 65536.0 / 2 ** sum(1 for s in SKIPPED if s < first)
-    steps = []
-    for step in range(first, last + 1):
-        steps.append(
-            {
-                "step": step,
-                "rank": 0,
-                "skipped": step in SKIPPED,
-                "loss": NON_FINITE_LOSS.get(step, encode_float(3.0 - 0.02 * step)),
-                "loss_scale": scale,
-                "grad_norm": 1.0,
-                "lr": 1e-3,
-                "act_norm_mean": 8.0 + 0.01 * step,
-                "act_norm_max": 12.0 + 0.1 * step,
-            }
-        )
-        if step in SKIPPED:
-            scale /= 2
-    layer_stats = [
-        {
-            "step": step,
-            "rank": 0,
-            "names": LAYERS,
-            "stats": {"zero_fraction": [0.0, 0.05, 0.2, 1.0]},
-        }
-        for step in range(first, last + 1)
-        if step % LAYER_EVERY == 0
-    ]
-    events = [{"kind": "checkpoint", "step": 20, "time": 1.7e9 + 20, "data": {"path": "/c/20"}}]
-    return {
-        "wire_version": WIRE_VERSION,
-        "run": {"client_run_id": "browser-test", "name": "gpt-small-fp16", "project": "default"},
-        "stream": "0",
-        "seq": seq,
-        "steps": steps,
-        "layer_stats": layer_stats,
-        "events": events if first <= 20 <= last else [],
-        "dropped": {"steps": 0, "layer_stats": 0, "events": 0},
-    }
-
 
 def ingest(url: str, body: dict[str, Any]) -> None:
-    response = httpx.post(url + INGEST_PATH, json=body, timeout=10)
+    response = httpx.post(url + INGEST_PATH, json=body, timeout=30)
     assert response.status_code == 200, response.text
 
 
-@pytest.fixture
-def page() -> Iterator[Any]:
+@pytest.fixture(scope="module")
+def collector(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A collector with the dashboard mounted; run 1 diverges, run 2 stays healthy."""
+    database_url = f"sqlite:///{tmp_path_factory.mktemp('browser') / 'ampwatch.db'}"
+    upgrade(database_url)
+    sock = bind_socket()
+    settings = Settings(database_url=database_url, port=sock.getsockname()[1], dashboard=True)
+    with BackgroundCollector(settings, sock=sock):
+        for body in batches():
+            ingest(settings.public_url, body)
+        for body in batches(steps=HEALTHY_STEPS, client_run_id="healthy", name=HEALTHY_NAME):
+            ingest(settings.public_url, body)
+        yield settings.public_url
+
+
+@pytest.fixture(scope="module")
+def browser() -> Iterator[Any]:
     with sync_api.sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
+        chromium = playwright.chromium.launch(executable_path=str(CHROMIUM), args=CHROMIUM_ARGS)
         try:
-            yield browser.new_page(viewport={"width": 1400, "height": 900})
+            yield chromium
         finally:
-            browser.close()
+            chromium.close()
+
+
+@pytest.fixture
+def page(browser: Any) -> Iterator[Any]:
+    """A fresh page; the test fails if the page logged any console error."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    problems: list[str] = []
+    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
+    page.on("pageerror", lambda error: problems.append(str(error)))
+    try:
+        yield page
+    finally:
+        context.close()
+    assert problems == [], problems
+
+
+def screenshot(page: Any, name: str) -> None:
+    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+    page.screenshot(path=str(SCREENSHOTS / name), full_page=True)
+    print(f"screenshot: {SCREENSHOTS / name}")
 
 
 def graph_traces(page: Any, graph_id: str) -> list[dict[str, Any]]:
-    """Each trace of a rendered graph: its name and how many points (or heatmap rows) it has."""
+    """Each trace of a rendered graph: name, type, point counts (heatmap: z rows' lengths).
+
+    Read from plotly's `_fullData`: numeric arrays arrive as base64 typed arrays, which
+    `data` keeps encoded and `_fullData` holds decoded, as drawn."""
     traces: list[dict[str, Any]] = page.evaluate(
-        """(id) => (document.querySelector(`#${id} .js-plotly-plot`)?.data ?? []).map(t => ({
+        """(id) => (document.querySelector(`#${id} .js-plotly-plot`)?._fullData ?? []).map(t => ({
             name: t.name ?? null, type: t.type,
             x: (t.x ?? []).length, y: (t.y ?? []).length,
-            z: (t.z ?? []).map(row => row.length),
+            z: Array.from(t.z ?? [], row => row.length),
         }))""",
         graph_id,
     )
     return traces
 
 
-def wait_for_traces(page: Any, graph_id: str) -> None:
+def wait_for_graphs(page: Any, *graph_ids: str) -> None:
+    """Until every graph is drawn with data (not a "Loading…" placeholder)."""
     page.wait_for_function(
-        "(id) => (document.querySelector(`#${id} .js-plotly-plot`)?.data ?? []).length > 0",
-        arg=graph_id,
+        """(ids) => ids.every(id => {
+            const plot = document.querySelector(`#${id} .js-plotly-plot`);
+            return plot && plot._fullLayout && (plot.data ?? []).length > 0
+                && !(plot.layout.annotations ?? []).some(a => a.text === 'Loading…');
+        })""",
+        arg=list(graph_ids),
         timeout=RENDER_TIMEOUT_MS,
     )
 
 
-def test_runs_list_and_run_page_render_real_data(live_collector: Any, page: Any) -> None:
-    ingest(live_collector.url, batch(0, 1, 40))
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
+def points_in(page: Any, graph_id: str, low: int, high: int) -> int:
+    """Points of a graph's first trace with low <= x <= high."""
+    count: int = page.evaluate(
+        """([id, low, high]) => Array.from(
+            document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].x
+        ).filter(x => x >= low && x <= high).length""",
+        [graph_id, low, high],
+    )
+    return count
 
-    page.goto(f"{live_collector.url}/dashboard/")
-    link = page.get_by_role("link", name="gpt-small-fp16")
+
+def test_runs_overview_shows_health_and_links(collector: str, page: Any) -> None:
+    page.goto(f"{collector}/dashboard/")
+    link = page.get_by_role("link", name=RUN_NAME)
     link.wait_for(timeout=RENDER_TIMEOUT_MS)
-    row = page.locator("table.runs tbody tr").first.inner_text()
-    assert "running" in row and "40" in row and "3" in row  # last step, skipped steps
-    page.screenshot(path=str(SCREENSHOTS / "runs.png"), full_page=True)
+    rows = page.locator("table.runs tbody tr")
+    first = rows.first.inner_text()  # worst health first
+    assert RUN_NAME in first and "critical" in first and "6,000" in first
+    assert "2^-8" in first and "ago" in first  # collapsed scale, age of the last data
+    assert HEALTHY_NAME in rows.nth(1).inner_text() and "ok" in rows.nth(1).inner_text()
+    screenshot(page, "runs.png")
+
+    page.locator(f"#{ids.RUNS_FILTER_TEXT}").fill("healthy")
+    page.wait_for_function("() => document.querySelectorAll('table.runs tbody tr').length === 1")
+    assert HEALTHY_NAME in rows.first.inner_text()
+    page.locator(f"#{ids.RUNS_FILTER_TEXT}").fill("")
+    page.get_by_role("button", name="last step").click()  # sort: most steps first
+    page.wait_for_function(
+        "(name) => document.querySelector('table.runs tbody tr').innerText.includes(name)",
+        arg=RUN_NAME)
 
     link.click()  # client-side navigation under the /dashboard/ prefix
-    page.wait_for_url(f"{live_collector.url}/dashboard/run/*")
-    for graph_id in (ids.LOSS_SCALE_GRAPH, ids.ACTIVATION_NORM_GRAPH, ids.ZERO_FRACTION_GRAPH):
-        wait_for_traces(page, graph_id)
-    assert page.locator(".js-plotly-plot").count() == 3
-    assert page.title() == "ampwatch"  # no "Updating..." flicker on every refresh
+    page.wait_for_url(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, *RUN_GRAPHS)
+
+
+def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str,
+                                                                  page: Any) -> None:
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, *RUN_GRAPHS)
+    assert page.title() == "ampwatch"
 
     loss_scale = {t["name"]: t for t in graph_traces(page, ids.LOSS_SCALE_GRAPH)}
-    assert loss_scale["loss scale"]["x"] == 40
-    assert loss_scale["skipped step (3)"]["x"] == len(SKIPPED)
-    assert loss_scale["loss"]["y"] == 40
-    assert loss_scale["non-finite loss"]["x"] == len(NON_FINITE_LOSS)
-    activation = graph_traces(page, ids.ACTIVATION_NORM_GRAPH)
-    assert [(t["name"], t["y"]) for t in activation] == [
-        ("max over tokens", 40),
-        ("mean over tokens", 40),
-    ]
-    (heatmap,) = graph_traces(page, ids.ZERO_FRACTION_GRAPH)
-    assert heatmap["type"] == "heatmap"
-    assert heatmap["z"] == [40 // LAYER_EVERY] * len(LAYERS)  # layers × steps
-    frozen_row = page.evaluate(
-        f"document.querySelector('#{ids.ZERO_FRACTION_GRAPH} .js-plotly-plot').data[0].z[3]"
+    assert loss_scale["loss scale"]["x"] > 1000 and loss_scale["loss"]["y"] > 1000
+    # Every skipped step is counted, however many share a downsampled marker.
+    assert 3 < loss_scale["skipped step (24)"]["x"] <= 24
+    assert loss_scale["non-finite loss"]["x"] > 0
+    assert graph_traces(page, ids.SKIP_RATE_GRAPH)[0]["y"] > 10
+    assert graph_traces(page, ids.GRAD_NORM_GRAPH)[0]["y"] > 1000
+    activation = {t["name"]: t for t in graph_traces(page, ids.ACTIVATION_NORM_GRAPH)}
+    assert activation["max over tokens"]["y"] > 1000
+    assert activation["baseline band (max)"]["y"] > 1000
+    (heatmap,) = graph_traces(page, ids.HEATMAP_GRAPH)
+    assert heatmap["type"] == "heatmap" and len(heatmap["z"]) == 7
+    # 300 sampled steps, shown as <= 200 columns (bucket maxima: a frozen layer still shows).
+    assert 100 < heatmap["z"][0] <= 200
+    frozen = page.evaluate(
+        """([id, row]) => Array.from(
+            document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].z[row]).slice(-3)""",
+        [ids.HEATMAP_GRAPH, LAYERS.index(FROZEN)],
     )
-    assert frozen_row == [1.0] * (40 // LAYER_EVERY)
-    page.screenshot(path=str(SCREENSHOTS / "run.png"), full_page=True)
+    assert frozen == [1.0, 1.0, 1.0]  # the layer that stopped learning, drawn red
+    timeline = {t["name"] for t in graph_traces(page, ids.ALERTS_GRAPH)}
+    assert {"critical", "fired"} <= timeline
 
-    # A live run: the next batch appears without a reload, at the next refresh.
-    ingest(live_collector.url, batch(1, 41, 60))
+    # A fired alert with its explanation, and the recommended checkpoint, highlighted.
+    firing = page.locator("li.alert-firing", has_text="loss_scale_collapse")
+    assert firing.is_visible() and "below min_scale" in firing.inner_text()
+    recommended = page.locator("tr.candidate-recommended")
+    assert recommended.is_visible() and "4,000" in recommended.inner_text()
+    assert page.get_by_text("Restart from step 4,000.").is_visible()
+    assert page.locator("tr.candidate-rejected").count() == 2  # 5,000 and 5,500: collapsed
+    restart = page.evaluate(
+        """(id) => document.querySelector(`#${id} .js-plotly-plot`).layout.annotations
+            .filter(a => a.text === 'restart here').map(a => a.x)""",
+        ids.LOSS_SCALE_GRAPH,
+    )
+    assert restart == [4000] and 4000 in CHECKPOINTS
+    screenshot(page, "run.png")
+
+    page.get_by_text("flush-to-zero forecast").click()
     page.wait_for_function(
-        """(id) => document.querySelector(`#${id} .js-plotly-plot`).data[0].x.length === 60""",
-        arg=ids.LOSS_SCALE_GRAPH,
-        timeout=RENDER_TIMEOUT_MS,
+        """(id) => document.querySelector(`#${id} .js-plotly-plot`).layout.title.text
+            .startsWith('Flush-to-zero')""",
+        arg=ids.HEATMAP_GRAPH, timeout=RENDER_TIMEOUT_MS,
     )
-    assert problems == []
+    page.locator(f"#{ids.HEATMAP_GRAPH}").screenshot(path=str(SCREENSHOTS / "heatmap-flush.png"))
 
 
-def test_unknown_run_says_so_without_errors(live_collector: Any, page: Any) -> None:
-    problems: list[str] = []
-    page.on("console", lambda m: problems.append(m.text) if m.type == "error" else None)
-    page.on("pageerror", lambda error: problems.append(str(error)))
-    page.goto(f"{live_collector.url}/dashboard/run/999")
+def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any) -> None:
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, *RUN_GRAPHS)
+    low, high = 4600, 4800
+    before = points_in(page, ids.LOSS_SCALE_GRAPH, low, high)
+    assert before < high - low  # downsampled: fewer points than steps
+
+    with page.expect_response(
+        lambda r: "_dash-update-component" in r.url and ids.RUN_ZOOM in (r.request.post_data or "")
+    ) as answer:
+        page.evaluate(
+            """([id, low, high]) => Plotly.relayout(
+                document.querySelector(`#${id} .js-plotly-plot`), {'xaxis.range': [low, high]})""",
+            [ids.LOSS_SCALE_GRAPH, low, high],
+        )
+    zoom = json.loads(answer.value.text())["response"][ids.RUN_ZOOM]["data"]
+    assert (zoom["start"], zoom["end"]) == (low, high)  # the request's window
+    assert zoom["steps"]["step"] == list(range(low, high + 1))  # every step, exact
+    page.wait_for_function(
+        "([id, n]) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].x.length === n",
+        arg=[ids.LOSS_SCALE_GRAPH, high - low + 1], timeout=RENDER_TIMEOUT_MS,
+    )
+    assert points_in(page, ids.LOSS_SCALE_GRAPH, low, high) == high - low + 1 > before
+    # The other step charts follow the zoom.
+    assert points_in(page, ids.GRAD_NORM_GRAPH, low, high) == high - low + 1
+    screenshot(page, "run-zoomed.png")
+
+
+def test_heatmap_click_opens_the_layer_page_with_its_histogram(collector: str,
+                                                               page: Any) -> None:
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, ids.HEATMAP_GRAPH)
+    layer = "blocks.2.mlp.fc2.weight"
+    page.evaluate(  # what plotly emits when a heatmap cell is clicked
+        """([id, layer]) => document.querySelector(`#${id} .js-plotly-plot`)
+            .emit('plotly_click', {points: [{x: 3000, y: layer, z: 0}]})""",
+        [ids.HEATMAP_GRAPH, layer],
+    )
+    page.wait_for_url(f"{collector}/dashboard/run/1/layer/{layer}?step=3000")
+    wait_for_graphs(page, ids.LAYER_HISTOGRAM_GRAPH, ids.LAYER_SERIES_GRAPH)
+    histogram = page.evaluate(
+        """(id) => { const gd = document.querySelector(`#${id} .js-plotly-plot`);
+            return {title: gd.layout.title.text, bars: gd._fullData[0].x.length,
+                    frames: gd._transitionData._frames.length,
+                    ranges: gd.data.slice(1).map(t => t.name)}; }""",
+        ids.LAYER_HISTOGRAM_GRAPH,
+    )
+    assert histogram["title"] == f"Gradient exponents of {layer} at step 3,000"
+    assert histogram["bars"] > 5 and histogram["frames"] >= 50
+    assert histogram["ranges"] == ["normal range", "subnormal range"]
+    series = {t["name"] for t in graph_traces(page, ids.LAYER_SERIES_GRAPH)}
+    assert "would flush in FP16 (0 < |g·S| < 2^-24)" in series
+    screenshot(page, "layer.png")
+
+    page.get_by_text("▶ play").click()  # animated over steps: the title follows the frames
+    page.wait_for_function(
+        """(id) => !document.querySelector(`#${id} .js-plotly-plot`).layout.title.text
+            .endsWith('step 3,000')""",
+        arg=ids.LAYER_HISTOGRAM_GRAPH, timeout=RENDER_TIMEOUT_MS,
+    )
+
+
+def test_compare_overlays_two_runs(collector: str, page: Any) -> None:
+    page.goto(f"{collector}/dashboard/compare?runs=1,2")
+    wait_for_graphs(page, ids.COMPARE_GRAPH)
+    traces = graph_traces(page, ids.COMPARE_GRAPH)
+    assert [t["name"] for t in traces] == [RUN_NAME] * 3 + [HEALTHY_NAME] * 3
+    assert all(t["y"] > 100 for t in traces)
+    screenshot(page, "compare.png")
+
+
+def test_live_run_appends_new_steps_without_a_reload(collector: str, page: Any) -> None:
+    page.goto(f"{collector}/dashboard/run/2")
+    wait_for_graphs(page, *RUN_GRAPHS[:-1])  # a healthy run: its alert timeline is empty
+    assert page.get_by_text("No alert has fired for this run.").count() == 1
+    page.evaluate("() => { window.notReloaded = true; }")
+    before = graph_traces(page, ids.LOSS_SCALE_GRAPH)[0]["x"]
+    *_, next_batch = batches(steps=HEALTHY_STEPS + 500, client_run_id="healthy",
+                             name=HEALTHY_NAME)
+    with page.expect_response(
+        lambda r: "_dash-update-component" in r.url
+        and ids.RUN_CURSOR in (r.request.post_data or "")  # the refresh callback
+        and r.status == 200,
+        timeout=RENDER_TIMEOUT_MS,
+    ) as answer:
+        ingest(collector, next_batch)
+    update = json.loads(answer.value.text())["response"][ids.RUN_DATA]["data"]
+    extended = {tuple(op["location"]): op["params"]["value"] for op in update["operations"]
+                if op["operation"] == "Extend"}
+    assert extended[("steps", "step")] == list(range(HEALTHY_STEPS + 1, HEALTHY_STEPS + 501))
+    page.wait_for_function(
+        "([id, n]) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].x.length === n",
+        arg=[ids.LOSS_SCALE_GRAPH, before + 500], timeout=RENDER_TIMEOUT_MS,
+    )
+    assert page.evaluate("() => window.notReloaded") is True
+
+
+def test_unknown_run_says_so_without_errors(collector: str, page: Any) -> None:
+    page.goto(f"{collector}/dashboard/run/999")
     page.get_by_text("There is no run 999 on this collector.").wait_for(timeout=RENDER_TIMEOUT_MS)
     assert not page.locator(f"#{ids.RUN_GRAPHS}").is_visible()
-    SCREENSHOTS.mkdir(parents=True, exist_ok=True)
-    page.screenshot(path=str(SCREENSHOTS / "run-not-found.png"), full_page=True)
-    assert problems == []
+    screenshot(page, "run-not-found.png")

@@ -8,12 +8,17 @@ import plotly.graph_objects as go
 import pytest
 
 from ampwatch.dashboard import figures
-from ampwatch.dashboard.client import LayerMatrix, StepSeries
+from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
 
 
 def trace(figure: go.Figure, name: str) -> Any:
     (match,) = [t for t in figure.data if t.name == name]
     return match
+
+
+def values(array: Any) -> list[Any]:
+    """A trace's values as a list, NaN (a gap in plotly.js) as None."""
+    return [None if isinstance(v, float) and math.isnan(v) else v for v in list(array)]
 
 
 @pytest.fixture
@@ -62,7 +67,7 @@ def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) ->
 def test_non_finite_loss_is_a_gap_and_a_marker(series: StepSeries) -> None:
     figure = figures.loss_scale_figure(series)
     loss = trace(figure, "loss")
-    assert list(loss.y) == [2.5, 2.4, None, 2.2, None, 2.0]
+    assert values(loss.y) == [2.5, 2.4, None, 2.2, None, 2.0]
     assert loss.yaxis == "y2"
     marked = trace(figure, "non-finite loss")
     assert list(marked.x) == [3, 5]
@@ -81,14 +86,14 @@ def test_non_positive_or_non_finite_scale_is_a_gap_not_a_log_error() -> None:
         {"step": [1, 2, 3], "loss_scale": [4.0, "NaN", 0.0], "skipped": [False, True, True]}
     )
     figure = figures.loss_scale_figure(series)
-    assert list(trace(figure, "loss scale").y) == [4.0, None, None]
+    assert values(trace(figure, "loss scale").y) == [4.0, None, None]
     # Skips whose scale is unknown still show, on the axis floor.
     low = 10 ** figure.layout.yaxis.range[0]
     assert list(trace(figure, "skipped step (2)").y) == pytest.approx([low, low])
 
 
 def test_checkpoints_are_vertical_lines(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series, checkpoint_steps=[4])
+    figure = figures.loss_scale_figure(series, checkpoints={4: ""})
     verticals = [s for s in figure.layout.shapes if s.x0 == 4 and s.x1 == 4]
     assert len(verticals) == 1 and verticals[0].line.dash == "dot"
     assert [a.text for a in figure.layout.annotations] == ["ckpt"]
@@ -96,17 +101,18 @@ def test_checkpoints_are_vertical_lines(series: StepSeries) -> None:
 
 def test_activation_norm_has_mean_and_max_with_gaps(series: StepSeries) -> None:
     figure = figures.activation_norm_figure(series)
-    assert list(trace(figure, "mean over tokens").y) == [7.9, 8.0, 8.1, None, 8.3, 8.4]
-    assert list(trace(figure, "max over tokens").y) == [11.2, 11.0, 12.5, 13.0, 40.0, 12.0]
+    assert values(trace(figure, "mean over tokens").y) == [7.9, 8.0, 8.1, None, 8.3, 8.4]
+    assert values(trace(figure, "max over tokens").y) == [11.2, 11.0, 12.5, 13.0, 40.0, 12.0]
     assert figure.layout.yaxis.title.text == "activation L2 norm"
+    assert figure.layout.yaxis.type == "log"  # a spike must not flatten the baseline
 
 
 def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, Any]) -> None:
-    figure = figures.zero_fraction_heatmap(LayerMatrix.from_json(layers_json))
+    figure = figures.layer_heatmap(LayerMatrix.from_json(layers_json))
     (heatmap,) = figure.data
     assert list(heatmap.y) == ["embed.weight", "blocks.0.mlp.fc1.weight", "head.weight"]
     assert list(heatmap.x) == [2, 4, 6]
-    z = [list(row) for row in heatmap.z]
+    z = [values(row) for row in heatmap.z.astype(float).round(4)]
     assert len(z) == 3 and all(len(row) == 3 for row in z)
     assert z[0] == [0.01, 0.02, 0.03]  # layer 0 across steps: the API's rows transposed
     assert z[1] == [0.1, None, 0.3]  # NaN is an empty cell
@@ -125,8 +131,8 @@ def test_heatmap_tolerates_short_rows() -> None:
             "values": [[0.5], [0.1, 0.2]],
         }
     )
-    (heatmap,) = figures.zero_fraction_heatmap(matrix).data
-    assert [list(row) for row in heatmap.z] == [[0.5, 0.1], [None, 0.2]]
+    (heatmap,) = figures.layer_heatmap(matrix).data
+    assert [values(row) for row in heatmap.z.astype(float).round(4)] == [[0.5, 0.1], [None, 0.2]]
 
 
 @pytest.mark.parametrize(
@@ -134,7 +140,7 @@ def test_heatmap_tolerates_short_rows() -> None:
     [
         figures.loss_scale_figure(StepSeries.from_json({})),
         figures.activation_norm_figure(StepSeries.from_json({"step": [1], "loss": [1.0]})),
-        figures.zero_fraction_heatmap(LayerMatrix.from_json({"stat": "zero_fraction"})),
+        figures.layer_heatmap(LayerMatrix.from_json({"stat": "zero_fraction"})),
     ],
 )
 def test_missing_data_explains_itself(figure: go.Figure) -> None:
@@ -146,7 +152,7 @@ def test_refreshes_keep_the_users_zoom(series: StepSeries, layers_json: dict[str
     for figure in (
         figures.loss_scale_figure(series),
         figures.activation_norm_figure(series),
-        figures.zero_fraction_heatmap(LayerMatrix.from_json(layers_json)),
+        figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
         assert figure.layout.uirevision == figures.UI_REVISION
 
@@ -158,7 +164,7 @@ def test_figures_serialise_without_bare_nan(
     for figure in (
         figures.loss_scale_figure(series),
         figures.activation_norm_figure(series),
-        figures.zero_fraction_heatmap(LayerMatrix.from_json(layers_json)),
+        figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
         json.loads(figure.to_json(), parse_constant=lambda name: pytest.fail(name))
 
@@ -189,3 +195,124 @@ def test_format_loss_scale(value: float | None, text: str) -> None:
 def test_format_time_is_utc_to_the_second() -> None:
     assert figures.format_time("2026-11-29T10:30:05.5+01:00") == "2026-11-29 09:30:05 UTC"
     assert figures.format_time("yesterday") == "yesterday"
+
+
+def test_checkpoint_verdicts_mark_the_recommended_restart(series: StepSeries) -> None:
+    figure = figures.loss_scale_figure(
+        series, checkpoints={2: "healthy", 4: "recommended", 6: "rejected"}
+    )
+    verticals = {s.x0: s for s in figure.layout.shapes if s.type == "line" and s.x0 == s.x1}
+    assert verticals[4].line.width == 3 and verticals[4].line.dash is None  # solid, thick
+    assert verticals[2].line.dash == "dot" and verticals[6].line.color == "#9ca3af"
+    labels = {a.x: a.text for a in figure.layout.annotations}
+    assert labels == {2: "ckpt", 4: "restart here"}  # a rejected checkpoint is not labelled
+
+
+def alert(**fields: Any) -> Alert:
+    base = {"id": 1, "run_id": 7, "rule": "loss_scale_collapse", "layer": "",
+            "severity": "critical", "status": "firing", "started_step": 3, "fired_step": 4,
+            "resolved_step": None, "started_at": 1.0, "fired_at": 2.0, "resolved_at": None,
+            "message": "loss scale 0.5 is below min_scale 1", "values": {"loss_scale": 0.5}}
+    return Alert.from_json({**base, **fields})
+
+
+def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None:
+    figure = figures.loss_scale_figure(series, alerts=[
+        alert(), alert(id=2, rule="silent_underflow", layer="head.weight", fired_step=2),
+    ])
+    (rect,) = [s for s in figure.layout.shapes if s.type == "rect"]
+    assert (rect.x0, rect.x1) == (4, 6)  # fired at 4, still firing at the last step
+    assert rect.fillcolor == figures.SEVERITY_COLORS["critical"]
+
+
+def test_zoomed_figures_pin_the_step_axis(series: StepSeries) -> None:
+    for figure in (figures.loss_scale_figure(series, x_range=(2, 5)),
+                   figures.skip_rate_figure(series, x_range=(2, 5)),
+                   figures.grad_norm_figure(series, x_range=(2, 5)),
+                   figures.activation_norm_figure(series, x_range=(2, 5))):
+        assert tuple(figure.layout.xaxis.range) == (2, 5)
+        assert figure.layout.xaxis.autorange is False
+    assert figures.loss_scale_figure(series).layout.xaxis.range is None
+
+
+def test_skip_rate_counts_skips_per_window() -> None:
+    series = StepSeries.from_json({"step": list(range(1, 11)),
+                                   "skipped": [s in (3, 4, 9) for s in range(1, 11)]})
+    starts, rates = figures.skip_rates(series, buckets=2)
+    assert starts == [0, 5, 10]
+    assert rates == [2 / 4, 1 / 5, 0.0]  # window 0..4 holds steps 1..4 only
+    bars = figures.skip_rate_figure(series).data[0]
+    assert bars.type == "bar" and sum(bars.y) > 0
+
+
+def test_skip_rate_uses_the_collectors_skip_counts_when_downsampled() -> None:
+    """Downsampled points stand for many steps: skipped_count, not the skipped flag, counts."""
+    series = StepSeries.from_json({"step": [0, 63, 64, 127], "skipped": [True, False, False,
+                                   False], "skipped_count": [5, 0, 0, 0], "bucket_width": 64})
+    starts, rates = figures.skip_rates(series, buckets=2)
+    assert starts == [0, 64] and rates == [5 / 64, 0.0]
+
+
+def test_grad_norm_is_log_with_gaps_for_non_finite(series: StepSeries) -> None:
+    figure = figures.grad_norm_figure(series)
+    assert figure.layout.yaxis.type == "log"
+    assert values(figure.data[0].y) == [1.0, 0.9, None, 0.8, None, 0.7]
+
+
+def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
+    norms = [10.0 + 0.1 * (i % 5) for i in range(100)] + [60.0]
+    low, high = figures.baseline_band(norms)
+    assert math.isnan(low[0]) and math.isnan(high[7])  # fewer than 8 values before
+    assert low[50] <= norms[50] < high[50]
+    assert norms[-1] > high[-1] * 3  # the spike is judged against what came before
+
+
+@pytest.mark.parametrize(("stat", "title"), [
+    ("zero_fraction", "Zero-gradient fraction per layer"),
+    ("subnormal_fraction", "FP16-subnormal share per layer"),
+    ("flush_fraction", "Flush-to-zero forecast per layer"),
+])
+def test_heatmap_names_its_statistic(layers_json: dict[str, Any], stat: str, title: str) -> None:
+    figure = figures.layer_heatmap(LayerMatrix.from_json({**layers_json, "stat": stat}))
+    assert figure.layout.title.text == title
+    assert "click a row" in figure.layout.title.subtitle.text
+
+
+def test_alerts_timeline_draws_each_alert_over_its_steps() -> None:
+    alerts = [alert(), alert(id=2, rule="skip_rate", severity="warning", status="resolved",
+                             started_step=1, fired_step=2, resolved_step=3),
+              alert(id=3, rule="underflow_risk", layer="head.weight", severity="warning",
+                    status="pending", started_step=5, fired_step=None)]
+    figure = figures.alerts_timeline_figure(alerts, last_step=10)
+    critical = trace(figure, "critical")
+    assert list(critical.base) == [3] and list(critical.x) == [7]  # 3 → still firing at 10
+    warning = trace(figure, "warning")
+    assert list(warning.y) == ["skip_rate", "underflow_risk · head.weight"]
+    assert list(warning.base) == [1, 5] and list(warning.x) == [2, 5]
+    assert list(warning.marker.opacity) == [0.85, 0.35]  # pending is pale
+    assert list(trace(figure, "fired").x) == [4, 2]
+    assert critical.customdata[0][1] == "loss scale 0.5 is below min_scale 1"
+
+
+@pytest.mark.parametrize(("alerts", "text"), [
+    (None, "This collector has no alert engine."),
+    ([], "No alert has fired for this run."),
+])
+def test_alerts_timeline_says_why_it_is_empty(alerts: Any, text: str) -> None:
+    figure = figures.alerts_timeline_figure(alerts, last_step=10)
+    assert figure.layout.annotations[0].text == text and not figure.data
+
+
+def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
+    other = StepSeries.from_json({"step": [1, 2, 3], "loss": [3.0, 2.9, 2.8],
+                                  "loss_scale": [0.5, 0.25, 0.25], "act_norm_max": [1, 2, 3]})
+    figure = figures.compare_figure([("a", series), ("b", other)])
+    assert [t.name for t in figure.data] == ["a"] * 3 + ["b"] * 3
+    assert [t.showlegend for t in figure.data] == [True, False, False] * 2
+    assert [t.yaxis for t in figure.data[:3]] == ["y", "y2", "y3"]
+    assert figure.data[0].line.color != figure.data[3].line.color
+    assert figure.layout.yaxis2.type == "log" and "2<sup>0</sup>" in figure.layout.yaxis2.ticktext
+    assert 10 ** figure.layout.yaxis2.range[0] <= 0.125  # both runs' scales in range
+    (one,) = figure.layout.shapes
+    assert (one.y0, one.yref) == (1.0, "y2")
+    assert "Pick two" in figures.compare_figure([]).layout.annotations[0].text

@@ -1,0 +1,146 @@
+"""First render of the run page in headless Chromium, for a long run, and what it downloads.
+
+    python bench/dashboard.py            # 100,000 steps x 500 parameter tensors (SQLite)
+    python bench/dashboard.py --quick    # 10,000 steps x 100 tensors
+
+Bar (DESIGN.md, issue 6): the run page of a 100,000-step x 500-tensor run renders in
+<= 2 s in the browser. The run is the query bench's (`bench/query.py`: every step's
+scalars, layer statistics every 10 steps, stored through the collector's ingest code
+in-process); `ampwatch serve` with its mounted dashboard runs in a subprocess, and Debian's
+chromium (through Playwright) opens `/dashboard/run/1` in a fresh browser context each
+round, so nothing is cached. "Rendered": every chart of the page holds plotted data.
+
+Printed per round and as medians: milliseconds from navigation start to the rendered page,
+the bytes of the dashboard's data responses (`_dash-update-component`: the fetched series
+and the figures), and the bytes of the page's scripts and styles (the Dash and Plotly
+bundles, cached by a browser after the first visit). Also the startup floor: the same
+cold visit of a page with one empty chart (Dash and plotly.js alone), measured in the same
+rounds, so a loaded machine's figure can be read against it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+from collector import start_server
+from query import populate
+
+CHROMIUM = Path("/usr/bin/chromium")
+CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
+                 "--disable-background-networking", "--disable-component-update"]
+GRAPHS = ("loss-scale-graph", "skip-rate-graph", "grad-norm-graph", "activation-norm-graph",
+          "heatmap-graph", "alerts-graph")
+BAR_MS = 2000.0
+FLOOR_RENDERED = """() => {
+    const plot = document.querySelector('#compare-graph .js-plotly-plot');
+    return plot && plot._fullLayout;
+}"""
+RENDERED = """(ids) => ids.every(id => {
+    const plot = document.querySelector(`#${id} .js-plotly-plot`);
+    return plot && plot.data && (plot.data.length > 0 || id === 'alerts-graph')
+        && !(plot.layout.annotations || []).some(a => a.text === 'Loading…');
+})"""
+
+
+def startup_floor(browser: Any, url: str) -> float:
+    """ms to draw the compare page with no run picked, cold: one empty chart, no data --
+    what Dash and plotly.js cost on this machine before any of the run page's work."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    page.goto(f"{url}/dashboard/compare")
+    page.wait_for_function(FLOOR_RENDERED, timeout=60_000, polling=20)
+    elapsed = float(page.evaluate("() => performance.now()"))
+    context.close()
+    return elapsed
+
+
+def one_round(browser: Any, url: str) -> tuple[float, float, int, int]:
+    """(ms to rendered cold, then warm, data bytes, asset bytes) of a visit of the run
+    page in a fresh context, then of a second visit with the scripts in the cache."""
+    context = browser.new_context(viewport={"width": 1400, "height": 900})
+    page = context.new_page()
+    sizes = {"data": 0, "assets": 0}
+    errors: list[str] = []
+
+    def count(response: Any) -> None:
+        if response.status != 200:
+            return
+        kind = "data" if "/_dash-update-component" in response.url else (
+            "assets" if "/_dash-component-suites/" in response.url else None)
+        if kind:
+            try:
+                sizes[kind] += len(response.body())
+            except Exception:  # the context closed first: a response after the render
+                pass
+
+    page.on("response", count)
+    page.on("pageerror", lambda error: errors.append(str(error)))
+    page.goto(f"{url}/dashboard/run/1")
+    page.wait_for_function(RENDERED, arg=list(GRAPHS), timeout=60_000, polling=20)
+    cold = float(page.evaluate("() => performance.now()"))
+    data, assets = sizes["data"], sizes["assets"]
+    page.goto(f"{url}/dashboard/run/1")  # a new document: the scripts come from the cache
+    page.wait_for_function(RENDERED, arg=list(GRAPHS), timeout=60_000, polling=20)
+    warm = float(page.evaluate("() => performance.now()"))
+    context.close()
+    if errors:
+        raise RuntimeError(f"page errors: {errors}")
+    return cold, warm, data, assets
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--quick", action="store_true", help="10,000 steps x 100 tensors")
+    parser.add_argument("--rounds", type=int, help="cold page loads (median; 5, quick 2)")
+    args = parser.parse_args()
+    from playwright.sync_api import sync_playwright
+
+    steps, layers = (10_000, 100) if args.quick else (100_000, 500)
+    rounds = args.rounds or (2 if args.quick else 5)
+    with tempfile.TemporaryDirectory() as folder:
+        database_url = f"sqlite:///{Path(folder) / 'bench.db'}"
+        started = time.perf_counter()
+        populate(database_url, steps, layers)
+        print(f"stored {steps:,} steps x {layers} tensors in "
+              f"{time.perf_counter() - started:.0f} s")
+        process, url = start_server(database_url, dashboard=True)
+        try:
+            with sync_playwright() as playwright:
+                browser = playwright.chromium.launch(executable_path=str(CHROMIUM),
+                                                     args=CHROMIUM_ARGS)
+                one_round(browser, url)  # warm the collector's caches and imports
+                results, floors = [], []
+                for i in range(rounds):
+                    ms, warm, data, assets = one_round(browser, url)
+                    floors.append(startup_floor(browser, url))
+                    results.append((ms, data, assets, warm))
+                    print(f"round {i + 1}: first render {ms:7.0f} ms (scripts cached "
+                          f"{warm:5.0f} ms), data {data / 1024:7.1f} KiB, scripts "
+                          f"{assets / 1024:7.1f} KiB; startup floor {floors[-1]:5.0f} ms")
+                browser.close()
+        finally:
+            process.terminate()
+            process.wait(timeout=30)
+    median_ms = statistics.median(r[0] for r in results)
+    median_data = statistics.median(r[1] for r in results)
+    verdict = "ok" if median_ms <= BAR_MS else "OVER"
+    print(f"run page, {steps:,} steps x {layers} tensors: first render median "
+          f"{median_ms:.0f} ms (bar {BAR_MS:.0f} ms, {verdict}); data sent to the browser "
+          f"{median_data:,.0f} bytes ({median_data / 1024:.0f} KiB), plus "
+          f"{results[0][2] / 1024:.0f} KiB of scripts on a cold cache")
+    print(f"with the scripts cached (a second visit): median "
+          f"{statistics.median(r[3] for r in results):.0f} ms")
+    print(f"startup floor (an empty chart, same browser, same moment): median "
+          f"{statistics.median(floors):.0f} ms; the run page's own share "
+          f"{median_ms - statistics.median(floors):.0f} ms")
+    return 0 if median_ms <= BAR_MS else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
