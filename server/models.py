@@ -238,6 +238,9 @@ class StepRollup(Base):
     first_step: Mapped[int] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
     skipped_count: Mapped[int] = mapped_column(Integer)
+    #: Step rows in the bucket: exact where the agent dropped steps inside it, which the
+    #: span `last_step - first_step + 1` would count.
+    step_count: Mapped[int] = mapped_column(Integer, server_default="0")
     loss_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
     loss_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     loss_scale_min: Mapped[float | None] = mapped_column(NonFiniteFloat)

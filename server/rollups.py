@@ -58,16 +58,16 @@ def refresh_step_rollups(
         high = last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1
         bucket = (Step.step // ROLLUP_WIDTH) * ROLLUP_WIDTH
         recomputed = (
-            select(Step.run_id, Step.rank, bucket, *step_aggregates())
+            select(Step.run_id, Step.rank, bucket, *step_aggregates(), func.count())
             .where(Step.run_id == run_id, Step.rank == rank, Step.step.between(low, high))
             .group_by(Step.run_id, Step.rank, bucket)
         )
         statement = dialect_insert(session, StepRollup).from_select(
-            ["run_id", "rank", "bucket_start", *ROLLUP_COLUMNS], recomputed
+            ["run_id", "rank", "bucket_start", *ROLLUP_COLUMNS, "step_count"], recomputed
         )
         session.execute(
             statement.on_conflict_do_update(
                 index_elements=["run_id", "rank", "bucket_start"],
-                set_={name: statement.excluded[name] for name in ROLLUP_COLUMNS},
+                set_={name: statement.excluded[name] for name in (*ROLLUP_COLUMNS, "step_count")},
             )
         )

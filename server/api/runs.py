@@ -11,7 +11,7 @@ from ampwatch.agent.wire import MAX_NAME_LENGTH
 from ampwatch.server import lifecycle, queries
 from ampwatch.server.api.deps import NOT_YOURS, RUN_ERRORS, PrincipalDep, RunIdDep, SessionDep
 from ampwatch.server.auth import project_for_new_data
-from ampwatch.server.models import RunStatus
+from ampwatch.server.models import Health, RunStatus
 from ampwatch.server.schemas import (
     MAX_INT,
     RunCreate,
@@ -34,6 +34,9 @@ def list_runs(
         str | None, Query(description="Only this project's runs (a project token: its own).")
     ] = None,
     status: Annotated[RunStatus | None, Query(description="running or ended.")] = None,
+    health: Annotated[
+        Health | None, Query(description="ok, warning or critical (worst firing alert).")
+    ] = None,
     q: Annotated[
         str | None, Query(max_length=MAX_NAME_LENGTH, description="Text the run name contains.")
     ] = None,
@@ -51,6 +54,7 @@ def list_runs(
         session,
         project=principal.project or project,
         status=status,
+        health=health,
         name_contains=q,
         limit=limit,
         offset=offset,

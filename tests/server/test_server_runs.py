@@ -13,7 +13,7 @@ from wire_batches import layer_record, make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.db import make_engine
-from ampwatch.server.models import Base
+from ampwatch.server.models import Base, Run
 
 RUNS = "/api/v1/runs"
 
@@ -107,6 +107,44 @@ def test_list_filters_by_project_status_and_name(client: httpx.Client) -> None:
     assert names(q="_") == ["b"]  # LIKE wildcards are literal
     assert names(q="%") == ["a"]
     assert names(project="nosuch") == []
+
+
+def test_list_carries_health_and_recent_skip_rate(client: httpx.Client, collector: Any) -> None:
+    """`skip_rate` covers the last SKIP_RATE_BUCKETS rollups (1,024 steps), from rollups."""
+    steps = [step_record(s, skipped=s > 2000 and s % 4 == 0, loss=1.0, loss_scale=2.0**15)
+             for s in range(1, 3072)]  # fmt: skip
+    for seq, first in enumerate(range(0, len(steps), 1000)):
+        body = make_batch(seq, steps=steps[first : first + 1000])
+        ack = client.post(INGEST_PATH, content=json.dumps(body))
+        assert ack.status_code == 200, ack.text
+    quiet = create(client, "quiet").json()
+    assert quiet["health"] == "ok" and quiet["skip_rate"] is None
+    engine = make_engine(collector.database_url)
+    with engine.begin() as connection:  # the alert engine's column, set here by hand
+        connection.execute(Run.__table__.update().where(Run.id == quiet["id"]).values(
+            health="critical"))
+    engine.dispose()
+
+    runs = {run["client_run_id"]: run for run in client.get(RUNS).json()["runs"]}
+    # Steps 2048..3071 are the last 16 rollups of 64; every 4th of them is skipped.
+    assert runs["run-a"]["skip_rate"] == pytest.approx(0.25)
+    assert client.get(f"{RUNS}/{runs['run-a']['id']}").json()["skip_rate"] == pytest.approx(0.25)
+    for health in ("ok", "warning", "critical"):
+        matching = client.get(RUNS, params={"health": health}).json()["runs"]
+        assert {r["client_run_id"] for r in matching} == {
+            key for key, run in runs.items() if run["health"] == health}
+    assert runs["quiet"]["health"] == "critical"
+    assert client.get(RUNS, params={"health": "fine"}).status_code == 422
+
+
+def test_step_count_is_exact_where_steps_were_dropped(client: httpx.Client) -> None:
+    """Steps 5 and 6 never arrived (the agent dropped them): they are not counted."""
+    steps = [step_record(s, skipped=s == 3, loss=1.0) for s in range(1, 11) if s not in (5, 6)]
+    ack = client.post(INGEST_PATH, content=json.dumps(make_batch(0, steps=steps)))
+    assert ack.status_code == 200, ack.text
+    (run,) = client.get(RUNS).json()["runs"]
+    assert (run["steps"], run["last_step"], run["skipped_steps"]) == (8, 10, 1)
+    assert run["skip_rate"] == pytest.approx(1 / 8)
 
 
 def test_list_pages_with_limit_offset_and_total(client: httpx.Client) -> None:
