@@ -17,8 +17,12 @@ POSTGRES_ADMIN_URL = os.environ.get(
 )
 
 
-def start_server(database_url: str) -> tuple[subprocess.Popen[bytes], str]:
-    """`ampwatch serve` in a subprocess on a free port; returns it and its base URL."""
+def start_server(
+    database_url: str, *, dashboard: bool = False, workers: int = 1
+) -> tuple[subprocess.Popen[bytes], str]:
+    """`ampwatch serve` in a subprocess on a free port (with its dashboard mounted at
+    /dashboard/ when `dashboard`, with `workers` uvicorn worker processes); returns it and
+    its base URL."""
     sock = bind_socket()
     port = sock.getsockname()[1]
     sock.close()
@@ -26,7 +30,8 @@ def start_server(database_url: str) -> tuple[subprocess.Popen[bytes], str]:
         **os.environ,
         "AMPWATCH_DATABASE_URL": database_url,
         "AMPWATCH_PORT": str(port),
-        "AMPWATCH_DASHBOARD": "false",
+        "AMPWATCH_DASHBOARD": "true" if dashboard else "false",
+        "AMPWATCH_WORKERS": str(workers),
     }
     code = "from ampwatch.server.serving import serve; from ampwatch.server.settings import " \
         "Settings; serve(Settings())"

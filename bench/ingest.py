@@ -45,6 +45,10 @@ from ampwatch.server.models import IngestedBatch, LayerStat, Step
 AGENTS = 16
 LAYERS = 500
 LAYER_EVERY = 10
+#: Each statistic drawn uniformly from [0, scale): a healthy run's magnitudes (a few
+#: percent of exact zeros, next to nothing subnormal or flushing, headroom below 65504),
+#: so the alert rules evaluate every batch as they would in production without paging.
+HEALTHY_SCALE = dict(zip(LAYER_STATS, (0.02, 0.01, 0.001, 512.0)))
 
 
 @dataclass(frozen=True)
@@ -70,7 +74,8 @@ def make_body(run: str, seq: int, phase: Phase, rng: random.Random) -> bytes:
             "step": first + r * LAYER_EVERY,
             "rank": 0,
             "names": names,
-            "stats": {stat: [rng.random() for _ in names] for stat in LAYER_STATS},
+            "stats": {stat: [scale * rng.random() for _ in names]
+                      for stat, scale in HEALTHY_SCALE.items()},
         }
         for r in range(phase.layer_records_per_batch)
     ]
@@ -145,9 +150,10 @@ def count_stored(database_url: str, tag: str) -> tuple[int, int, int]:
     return int(batches or 0), int(steps or 0), int(values or 0)
 
 
-def bench_backend(name: str, database_url: str, phases: list[Phase]) -> bool:
+def bench_backend(name: str, database_url: str, phases: list[Phase], workers: int) -> bool:
     upgrade(database_url)
-    process, url = start_server(database_url)
+    process, url = start_server(database_url, workers=workers)
+    print(f"{name:10} collector: `ampwatch serve` with {workers} worker process(es)")
     tag = uuid.uuid4().hex[:8]
     ok = True
     try:
@@ -187,6 +193,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="a few batches per agent")
     parser.add_argument("--backend", choices=["sqlite", "postgres", "both"], default="both")
+    parser.add_argument(
+        "--workers", type=int, default=None,
+        help="collector worker processes (default: 1 on SQLite, 2 on PostgreSQL, as deployed)",
+    )  # fmt: skip
     args = parser.parse_args()
     scale = 1 if args.quick else 6
     phases = [
@@ -200,12 +210,13 @@ def main() -> int:
     ok = True
     if args.backend in ("sqlite", "both"):
         with tempfile.TemporaryDirectory() as folder:
-            ok &= bench_backend("sqlite", f"sqlite:///{Path(folder) / 'bench.db'}", phases)
+            sqlite_url = f"sqlite:///{Path(folder) / 'bench.db'}"
+            ok &= bench_backend("sqlite", sqlite_url, phases, args.workers or 1)
     if args.backend in ("postgres", "both"):
         database_url = postgres_database()
         if database_url is not None:
             try:
-                ok &= bench_backend("postgres", database_url, phases)
+                ok &= bench_backend("postgres", database_url, phases, args.workers or 2)
             finally:
                 drop_postgres_database(database_url)
     return 0 if ok else 1

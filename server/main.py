@@ -12,8 +12,8 @@ from fastapi import Depends, FastAPI, Request
 from fastapi.responses import JSONResponse, RedirectResponse
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth, metrics, migrate
-from ampwatch.server.api import health, ingest, run_data, runs
+from ampwatch.server import auth, metrics, migrate, notify
+from ampwatch.server.api import advisor, alerts, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.db import make_engine, make_sessionmaker
@@ -38,7 +38,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         with sessions() as session:
             auth.check_exposure(session, settings)
+        worker = notify.DeliveryWorker(sessions, settings).start()
         yield
+        worker.stop()
         engine.dispose()
 
     app = FastAPI(title="ampwatch collector", version="1", lifespan=lifespan)
@@ -50,6 +52,15 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(
         metrics.CountRejections, path=INGEST_PATH, counters=app.state.ingest_counters
     )
+    if settings.cors_origins:  # closed by default: no CORS headers, no cross-site reads
+        from fastapi.middleware.cors import CORSMiddleware
+
+        app.add_middleware(
+            CORSMiddleware,
+            allow_origins=settings.cors_origins,
+            allow_methods=["GET", "POST", "DELETE"],
+            allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
+        )
     app.add_exception_handler(auth.AuthError, _auth_error)
     app.include_router(health.router)
     # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
@@ -58,6 +69,9 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(ingest.router, prefix=API_PREFIX, **authenticated)
     app.include_router(runs.router, prefix=API_PREFIX, **authenticated)
     app.include_router(run_data.router, prefix=API_PREFIX, **authenticated)
+    app.include_router(webhooks.router, prefix=API_PREFIX, **authenticated)
+    app.include_router(advisor.router, prefix=API_PREFIX, **authenticated)
+    alerts.mount(app, prefix=API_PREFIX, **authenticated)  # routes + the alerts file
     if settings.dashboard:
         _mount_dashboard(app, settings)
     return app

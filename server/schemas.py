@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import math
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated, Any, Literal
 
 import numpy as np
 import numpy.typing as npt
@@ -38,7 +38,7 @@ from ampwatch.agent.wire import (
     WireFloat,
     encode_float,
 )
-from ampwatch.server.models import RunStatus
+from ampwatch.server.models import AlertStatus, Health, RunStatus, Severity, WebhookFormat
 
 #: Largest value that fits the BIGINT step and seq columns.
 MAX_BIGINT = 2**63 - 1
@@ -314,6 +314,11 @@ class RunPublic(BaseModel):
     last_step: int | None
     last_loss_scale: WireFloat | None
     skipped_steps: int
+    #: Worst severity among the run's firing alerts ('ok' when none fires).
+    health: Health = "ok"
+    #: Share of skipped steps over the run's last `SKIP_RATE_BUCKETS` step rollups (up to
+    #: 1,024 steps, all ranks); null before any step.
+    skip_rate: float | None = None
     #: Records the agent dropped rather than block training, by kind (wire DROPPED_KINDS):
     #: non-zero means the charts have gaps the agent knows about.
     dropped: dict[str, int] = Field(default_factory=dict)
@@ -432,3 +437,195 @@ class EventPublic(BaseModel):
 
 class EventsPublic(BaseModel):
     events: list[EventPublic]
+
+
+# --- webhooks (`ampwatch.server.api.webhooks`) --------------------------------------------
+
+#: Longest webhook URL stored (`webhooks.url`).
+MAX_URL_LENGTH = 2048
+
+
+class WebhookCreate(BaseModel):
+    """A webhook to post alert transitions to.
+
+    `project`: whose alerts; a project token may name only its own (the default for it),
+    an admin may omit it for every project's. `min_severity`: the least severe alert sent.
+    """
+
+    model_config = ConfigDict(extra="forbid")
+
+    url: str
+    format: WebhookFormat = "generic"
+    project: Name | None = None
+    min_severity: Severity = "warning"
+
+    @field_validator("url")
+    @classmethod
+    def _http_url(cls, url: str) -> str:
+        from urllib.parse import urlsplit
+
+        url = url.strip()
+        if len(url) > MAX_URL_LENGTH:
+            raise ValueError(f"url is longer than {MAX_URL_LENGTH} characters")
+        try:
+            parts = urlsplit(url)
+            parts.port  # noqa: B018 - raises ValueError on a malformed port
+        except ValueError as error:
+            raise ValueError(f"url is not a valid URL: {error}") from None
+        if parts.scheme not in ("http", "https") or not parts.hostname:
+            raise ValueError("url must be an http:// or https:// URL with a host")
+        if any(ch.isspace() or ord(ch) < 32 for ch in url):
+            raise ValueError("url must not contain spaces or control characters")
+        return url
+
+
+class WebhookPublic(BaseModel):
+    id: int
+    url: str
+    format: WebhookFormat
+    #: null: every project's alerts (created by an admin).
+    project: str | None
+    min_severity: Severity
+    enabled: bool
+    created_at: datetime
+
+
+class WebhooksPublic(BaseModel):
+    webhooks: list[WebhookPublic]
+
+
+class DeliveryPublic(BaseModel):
+    """One notification to a webhook: its delivery state and last attempt's outcome."""
+
+    id: int
+    alert_id: int
+    run_id: int
+    rule: str
+    severity: Severity
+    transition: str
+    status: str
+    attempts: int
+    next_attempt_at: datetime
+    last_error: str | None
+    response_status: int | None
+    created_at: datetime
+    delivered_at: datetime | None
+
+
+class DeliveriesPublic(BaseModel):
+    """A webhook's delivery log, newest first."""
+
+    deliveries: list[DeliveryPublic]
+
+
+class WebhookTestResult(BaseModel):
+    """What the webhook answered to a test message (sent at once, not queued)."""
+
+    delivered: bool
+    response_status: int | None
+    error: str | None
+
+
+# --- restart advisor (`ampwatch.server.advisor`) --------------------------------------
+
+Verdict = Literal["recommended", "healthy", "rejected"]
+
+
+class RestartCheckpoint(BaseModel):
+    step: int | None
+    path: str | None
+    #: When the agent reported it saved, Unix seconds (as `/checkpoints`).
+    time: float
+
+
+class RestartCandidate(RestartCheckpoint):
+    """A checkpoint judged: `reasons` say why, with the values, for every verdict."""
+
+    verdict: Verdict
+    reasons: list[str]
+    #: The loss scale and the final-layer activation norm (mean over tokens) at its step.
+    loss_scale: WireFloat | None
+    act_norm: WireFloat | None
+
+
+class RestartCandidates(BaseModel):
+    """A run's checkpoints ranked for a restart: the recommended one first, then the
+    other healthy ones, latest first, then the rejected ones, latest first."""
+
+    run_id: int
+    #: First step of the first incident that reached critical (its earliest precursor).
+    onset_step: int | None
+    onset_rule: str | None
+    #: How far before the onset a checkpoint must be to count as healthy.
+    margin_steps: int
+    recommended: RestartCheckpoint | None
+    candidates: list[RestartCandidate]
+
+
+# --- alerts (`ampwatch.server.alerts`, `ampwatch.server.api.alerts`) ----------------------
+
+
+class AlertPublic(BaseModel):
+    """One alert: `layer` is '' for run-level rules; steps say when in training (onset,
+    firing, resolution), times (Unix seconds) when the collector saw it; `message` explains
+    the firing in words, `values` has its numbers."""
+
+    id: int
+    run_id: int
+    rule: str
+    layer: str
+    severity: Severity
+    status: AlertStatus
+    started_step: int
+    fired_step: int | None
+    resolved_step: int | None
+    started_at: float
+    fired_at: float | None
+    resolved_at: float | None
+    message: str
+    values: dict[str, Any]
+
+
+class AlertsPublic(BaseModel):
+    """One page of alerts, newest first: `total` match, this page starts at `offset`."""
+
+    alerts: list[AlertPublic]
+    total: int
+    limit: int
+    offset: int
+
+
+class AlertRulePublic(BaseModel):
+    """A rule: `scope` 'layer' for per-layer rules; `defaults` its built-in settings,
+    `settings` what each one means."""
+
+    name: str
+    severity: Severity
+    scope: Literal["run", "layer"]
+    description: str
+    defaults: dict[str, Any]
+    settings: dict[str, str]
+
+
+class AlertRulesPublic(BaseModel):
+    rules: list[AlertRulePublic]
+
+
+class AlertConfigIn(BaseModel):
+    """Threshold overrides for a project or a run: {rule: {setting: value}}. A PUT
+    replaces the scope's overrides; `{"rules": {}}` clears them."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    rules: dict[str, dict[str, Any]] = Field(default_factory=dict)
+
+
+class AlertConfigPublic(BaseModel):
+    """A scope's overrides (`rules`) and every rule's `effective` settings there
+    (run > project > the collector's alerts file > defaults)."""
+
+    project: str
+    run_id: int | None
+    rules: dict[str, dict[str, Any]]
+    effective: dict[str, dict[str, Any]]
+    updated_at: float | None

@@ -7,10 +7,10 @@ environment, so every knob has exactly one home.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Literal
+from typing import Annotated, Any, Literal
 
-from pydantic import Field, SecretStr, model_validator
-from pydantic_settings import BaseSettings, SettingsConfigDict
+from pydantic import Field, SecretStr, field_validator, model_validator
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 #: Hosts that mean "every interface" when binding but cannot be dialled as a destination.
 _WILDCARD_HOSTS = frozenset({"0.0.0.0", "::", ""})
@@ -39,6 +39,18 @@ class Settings(BaseSettings):
     )
     host: str = "127.0.0.1"
     port: int = Field(default=8765, ge=0, le=65535)
+    workers: int = Field(
+        default=1,
+        ge=1,
+        le=64,
+        description="Collector processes sharing the port (`ampwatch serve`); more than one "
+        "needs PostgreSQL.",
+    )
+    migrate: bool = Field(
+        default=True,
+        description="Apply migrations when `ampwatch serve` starts; false where several "
+        "collectors share a database and `ampwatch db upgrade` runs once beforehand.",
+    )
     public_url: str = Field(
         default="",
         description="Base URL at which the dashboard reaches this collector's API; "
@@ -61,11 +73,59 @@ class Settings(BaseSettings):
         min_length=16,  # it opens every project: no short, guessable ones
         description="A bearer token (16+ characters) that may read and write every project.",
     )
+    cors_origins: Annotated[list[str], NoDecode] = Field(
+        default_factory=list,
+        description="Browser origins allowed to call the API cross-site (JSON list or "
+        "comma-separated). Empty (the default): no CORS headers, so browsers refuse "
+        "cross-origin reads.",
+    )
+    alerts_file: Path | None = Field(
+        default=None,
+        description="TOML file of alert thresholds: [rules.<rule>] and "
+        "[projects.<project>.rules.<rule>] sections (README, 'Alert rules').",
+    )
     dashboard_token: SecretStr | None = Field(
         default=None,
         description="Token the mounted dashboard sends to this collector's API; whoever "
         "can open /dashboard/ sees what this token may read.",
     )
+
+    dashboard_url: str = Field(
+        default="",
+        description="Base URL of the dashboard as people open it, for links in webhook "
+        "messages; default: the mounted one, public_url + /dashboard (set it when the "
+        "dashboard runs on its own, e.g. http://host:8050).",
+    )
+    notify_interval: float = Field(
+        default=1.0,
+        gt=0,
+        description="Seconds between rounds of the notification worker (the alert sweep, "
+        "then delivery of due webhook notifications).",
+    )
+    webhook_timeout: float = Field(
+        default=5.0, gt=0, description="Seconds a webhook may take to answer one POST."
+    )
+    webhook_max_attempts: int = Field(
+        default=8, ge=1, description="Deliveries tried per notification before it is failed."
+    )
+    webhook_retry_base: float = Field(
+        default=5.0,
+        gt=0,
+        description="Seconds before the first retry of a failed delivery; doubles per "
+        "attempt (with jitter, capped at 15 minutes).",
+    )
+
+    @field_validator("cors_origins", mode="before")
+    @classmethod
+    def _split_origins(cls, value: Any) -> Any:
+        if isinstance(value, str):  # AMPWATCH_CORS_ORIGINS: a JSON list or "a,b"
+            text = value.strip()
+            if text.startswith("["):
+                import json
+
+                return json.loads(text)
+            return [origin.strip() for origin in text.split(",") if origin.strip()]
+        return value
 
     @model_validator(mode="after")
     def _derive_public_url(self) -> Settings:
