@@ -62,16 +62,16 @@ def phases(steps: int) -> list[Phase]:
     ]
 
 
-def _model(seed: int) -> torch.nn.Module:
+def tiny_lm(seed: int, vocab_in: int = VOCAB) -> torch.nn.Module:
+    """The demo's model (also the scenario suite's): embedding of `vocab_in` tokens,
+    pre-norm residual MLP blocks, final norm, an output head over `VOCAB`."""
     import torch
     from torch import nn
 
     class TinyLM(nn.Module):
-        """Embedding, pre-norm residual MLP blocks, final norm, output head."""
-
         def __init__(self, d: int = 32, depth: int = 4) -> None:
             super().__init__()
-            self.emb = nn.Embedding(VOCAB, d)
+            self.emb = nn.Embedding(vocab_in, d)
             self.blocks = nn.ModuleList(
                 nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
                 for _ in range(depth)
@@ -89,13 +89,15 @@ def _model(seed: int) -> torch.nn.Module:
     return TinyLM()
 
 
-def _batches(seed: int, batch: int = 16, seq: int = 16) -> Iterator[tuple[torch.Tensor, ...]]:
-    """A learnable synthetic task: predict (7·token + 3) mod VOCAB."""
+def synthetic_batches(
+    seed: int, vocab_in: int = VOCAB, batch: int = 16, seq: int = 16
+) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """A learnable synthetic task: predict (7·token + 3) mod VOCAB from tokens < `vocab_in`."""
     import torch
 
     generator = torch.Generator().manual_seed(seed)
     while True:
-        tokens = torch.randint(0, VOCAB, (batch, seq), generator=generator)
+        tokens = torch.randint(0, vocab_in, (batch, seq), generator=generator)
         yield tokens, (tokens * 7 + 3) % VOCAB
 
 
@@ -114,13 +116,13 @@ def train_phase(
     from ampwatch.agent import watch
 
     torch.set_num_threads(min(torch.get_num_threads(), 2))
-    model = _model(seed)
+    model = tiny_lm(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler(
         "cpu", init_scale=2.0**16, growth_interval=50, enabled=phase.scaler_enabled
     )
     loss_fn = nn.CrossEntropyLoss()
-    data = _batches(seed)
+    data = synthetic_batches(seed)
     with watch(model, optimizer, scaler, run=phase.name, project="demo", url=url) as handle:
         for step in range(1, phase.steps + 1):
             tokens, targets = next(data)

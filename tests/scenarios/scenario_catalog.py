@@ -31,7 +31,7 @@ from __future__ import annotations
 import math
 import statistics
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
@@ -41,8 +41,8 @@ import torch
 from torch import nn
 
 from ampwatch.agent import watch
+from ampwatch.server.demo import VOCAB, synthetic_batches, tiny_lm
 
-VOCAB = 256
 BIG_VOCAB = 16_384
 #: Rule names of the alert engine's API contract.
 RULES = (
@@ -131,37 +131,7 @@ class Scenario:
     check_signals: Callable[[Observed, Label], list[str]]
 
 
-# --- the model and the data ----------------------------------------------------------------
-
-
-class TinyLM(nn.Module):
-    """Embedding, pre-norm residual MLP blocks, final norm, output head (as the demo's)."""
-
-    def __init__(self, vocab_in: int, d: int = 32, depth: int = 4) -> None:
-        super().__init__()
-        self.emb = nn.Embedding(vocab_in, d)
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(d), nn.Linear(d, 4 * d), nn.GELU(), nn.Linear(4 * d, d))
-            for _ in range(depth)
-        )
-        self.norm = nn.LayerNorm(d)
-        self.head = nn.Linear(d, VOCAB)
-
-    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        hidden = self.emb(tokens)
-        for block in self.blocks:
-            hidden = hidden + block(hidden)
-        return self.head(self.norm(hidden))
-
-
-def _batches(
-    seed: int, vocab_in: int, batch: int = 16, seq: int = 16
-) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """A learnable synthetic task: predict (7·token + 3) mod VOCAB."""
-    generator = torch.Generator().manual_seed(seed)
-    while True:
-        tokens = torch.randint(0, vocab_in, (batch, seq), generator=generator)
-        yield tokens, (tokens * 7 + 3) % VOCAB
+# --- the model and the data: the demo's (`ampwatch.server.demo`) ---------------------------
 
 
 def train(scenario: Scenario, url: str, checkpoint_dir: Path, *, seed: int = 0) -> str:
@@ -169,12 +139,11 @@ def train(scenario: Scenario, url: str, checkpoint_dir: Path, *, seed: int = 0) 
     client id once the agent has detached (run_end sent, batches flushed)."""
     k = scenario.knobs
     torch.set_num_threads(1)
-    torch.manual_seed(seed)
-    model = TinyLM(k.vocab_in)
+    model = tiny_lm(seed, k.vocab_in)
     optimizer = torch.optim.AdamW(model.parameters(), lr=k.lr)
     scaler = None if k.scaler is None else torch.amp.GradScaler("cpu", **k.scaler)
     loss_fn = nn.CrossEntropyLoss()
-    data = _batches(seed, k.vocab_in)
+    data = synthetic_batches(seed, k.vocab_in)
     poison = {"on": False}
 
     def nan_hook(module: nn.Module, args: Any, output: torch.Tensor) -> torch.Tensor | None:
