@@ -2,11 +2,17 @@
 
 A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
 
-1. the loss scale was >= `min_loss_scale` (1.0: the OPT-175B team's "healthy" scalar) and
+1. the loss scale was >= `min_loss_scale` (the run's effective `loss_scale_collapse`
+   `min_scale`, 1.0 by default: the OPT-175B team's "healthy" scalar) and
    not mid-fall: no strict fall of the scale between consecutive steps in the
    `fall_window` steps up to it, nor across its own step (a fall from step s to s+1 means
    step s itself overflowed, and the saved scaler state already holds the halving);
-2. no critical alert was firing (fired_step <= step < resolved_step, or not resolved);
+2. no critical alert was firing (fired_step <= step < resolved_step, or not resolved),
+   configuration findings (`CONFIGURATION_RULES`: FP16 without a loss scaler, clipping
+   before unscale_) excepted: they hold for the whole process, so no checkpoint of it is
+   free of them and restarting from any checkpoint does not fix them. They are neither an
+   incident's onset; every candidate carries a caveat instead ("fix that before
+   restarting");
 3. the final-layer activation norm (mean over tokens) was within the run's own robust
    baseline before it: <= median + k * 1.4826 * MAD of the step-rollup extremes of the
    `baseline_buckets` rollups (64 steps each) that end before it;
@@ -45,8 +51,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
+from ampwatch.server.alerts.config import run_settings
+from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Step, StepRollup
+from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas import (
     CheckpointPublic,
@@ -67,8 +75,16 @@ PRECURSOR_RULES = frozenset(
         "nan_loss",
     }
 )
-#: Never part of an incident: the agent going quiet says nothing about the weights.
-NOT_PRECURSORS = frozenset({"no_data"})
+#: Never part of an incident: the agent going quiet says nothing about the weights, and a
+#: configuration finding is no incident (module docstring, 2.).
+NOT_PRECURSORS = frozenset({"no_data"}) | CONFIGURATION_RULES
+#: The caveat each configuration finding adds to every candidate.
+CONFIGURATION_CAVEATS = {
+    "fp16_without_scaler": "the run trains FP16 without a loss scaler: fix that before "
+    "restarting",
+    "clip_before_unscale": "the run clips gradients before scaler.unscale_ (the threshold "
+    "is off by the loss scale): fix that before restarting",
+}
 #: MAD of normally distributed values times this is their standard deviation.
 MAD_TO_SIGMA = 1.4826
 #: Fewer baseline values than this: the activation norm is not judged.
@@ -134,7 +150,11 @@ def incident_onset(alerts: list[_AlertSpan], *, config: AdvisorConfig) -> Onset 
     ...                config=AdvisorConfig())
     Onset(step=90, rule='skip_rate')
     """
-    criticals = [a for a in alerts if a.severity == "critical" and a.fired_step is not None]
+    criticals = [
+        a
+        for a in alerts
+        if a.severity == "critical" and a.fired_step is not None and a.rule not in NOT_PRECURSORS
+    ]
     if not criticals:
         return None
     first = min(criticals, key=lambda a: (a.fired_step, a.started_step))
@@ -232,6 +252,8 @@ def _judge(
         _judge_scale(verdict, rows, here.loss_scale, config)
         _judge_act_norm(verdict, session, run_id, step, here.act_norm_mean, config)
     for alert in alerts:
+        if alert.rule in CONFIGURATION_RULES:
+            continue  # a caveat of every candidate, not a verdict on this one
         if alert.severity == "critical" and alert.firing_at(step):
             where = f" on {alert.layer}" if alert.layer else ""
             verdict.failures.append(
@@ -325,6 +347,22 @@ def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
     return [_AlertSpan(*row) for row in rows]
 
 
+def run_config(session: Session, run_id: int, **overrides: Any) -> AdvisorConfig:
+    """The advisor's thresholds for run `run_id`: `min_loss_scale` is the run's effective
+    `loss_scale_collapse.min_scale` (run > project > file > default), so the advisor and
+    the collapse alert agree on what a healthy scale is; `overrides` win over both.
+
+    >>> run_config(session, 7, min_loss_scale=0.5).min_loss_scale  # doctest: +SKIP
+    0.5
+    """
+    project = session.scalar(select(Run.project).where(Run.id == run_id))
+    if project is not None and "min_loss_scale" not in overrides:
+        collapse = run_settings(session, project=project, run_id=run_id)["loss_scale_collapse"]
+        assert isinstance(collapse, LossScaleCollapse)
+        overrides["min_loss_scale"] = collapse.min_scale
+    return AdvisorConfig(**overrides)
+
+
 def restart_candidates(
     session: Session,
     run_id: int,
@@ -337,9 +375,11 @@ def restart_candidates(
     Candidates come ranked: the recommended one, the other healthy ones (latest first),
     then the rejected ones (latest first); each with the reasons for its verdict.
     """
-    config = config or AdvisorConfig()
+    config = config or run_config(session, run_id)
     alerts = run_alerts(session, run_id)
     onset = incident_onset(alerts, config=config)
+    caveats = [CONFIGURATION_CAVEATS[rule] for rule in CONFIGURATION_CAVEATS
+               if any(a.rule == rule and a.fired_step is not None for a in alerts)]  # fmt: skip
     if margin_steps is None:
         last_step = session.scalar(
             select(func.max(Step.step)).where(Step.run_id == run_id, Step.rank == config.rank)
@@ -372,7 +412,7 @@ def restart_candidates(
                 path=checkpoint.path,
                 time=checkpoint.time,
                 verdict=verdict,  # type: ignore[arg-type]
-                reasons=reasons,
+                reasons=[*reasons, *caveats],
                 loss_scale=encode_float(judgement.loss_scale),
                 act_norm=encode_float(judgement.act_norm),
             )

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import functools
 import os
+import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -32,6 +33,11 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts.rules import RULES, RuleSettings
 from ampwatch.server.models import AlertConfig
+
+if sys.version_info >= (3, 11):
+    import tomllib
+else:  # pragma: no cover - the same parser, from PyPI (pyproject: server extra)
+    import tomli as tomllib
 
 #: `Session.info` key under which the collector puts its parsed alerts file
 #: (`ampwatch.server.api.alerts.mount`); sessions without it read `AMPWATCH_ALERTS_FILE`.
@@ -89,8 +95,6 @@ def validate_overrides(rules: Any, *, where: str = "rules") -> Overrides:
 
 def load_file(path: str | Path) -> FileRules:
     """Parse and validate the alerts file at `path` (raises AlertConfigError)."""
-    import tomllib  # Python >= 3.11; the collector image runs 3.11
-
     try:
         document = tomllib.loads(Path(path).read_text(encoding="utf-8"))
     except OSError as error:

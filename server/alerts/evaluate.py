@@ -71,19 +71,23 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None
         for row in session.scalars(select(AlertState).where(AlertState.run_id == run.id))
     }
     steps_state = _StepState(rows[STEPS_KEY].data if STEPS_KEY in rows else None)
-    tracker = Tracker(session, run, settings, now=now, clear_since=steps_state.clear)
+    tracker = Tracker(session, run, settings, now=now, clear_since=steps_state.clear,
+                      groups=steps_state.data.setdefault("groups", {}))  # fmt: skip
 
     if tracker.is_open("no_data"):  # data arrived: the agent is reporting again
         tracker.resolve("no_data", steps_state.last_step or 0)
     restarted = _apply_events(tracker, steps_state, batch, settings)
-    skipped_steps = _evaluate_steps(tracker, steps_state, batch.steps, settings)
     layers_state = None
     if batch.layer_stats or (restarted is not None and LAYERS_KEY in rows):
         layers_state = _LayerState(rows[LAYERS_KEY].data if LAYERS_KEY in rows else None)
         if restarted is not None:  # its samples start again from the resumed step
             layers_state.last[layers_state.owner == restarted] = -1
-        _evaluate_layers(tracker, steps_state, layers_state, batch.layer_stats, skipped_steps,
-                         settings)  # fmt: skip
+    # One pass in step order: a layer sample is judged after the step records up to its
+    # step and before later ones, so every rule sees the state as of its own step and the
+    # alerts do not depend on how the agent cut its batches.
+    samples = _LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
+    _evaluate_steps(tracker, steps_state, batch.steps, settings, samples)
+    samples.judge_until(None)
     tracker.finish(steps_state.last_step)
 
     _save(session, rows, run.id, STEPS_KEY, steps_state.data, now)
@@ -164,6 +168,7 @@ class _StepState:
             nan_since=None,
             last_fall=None,
             last_spike=None,
+            falls=[],
             incident_skips=0,
             incident_skips_from=None,
         )
@@ -228,29 +233,33 @@ def _evaluate_steps(
     state: _StepState,
     records: list[StepIn],
     settings: dict[str, rules.RuleSettings],
-) -> list[int]:
-    """Run the scalar rules over the batch's steps; returns the steps whose gradients had
-    Inf/NaN (skipped or non-finite loss), for the underflow rules' explanations."""
+    samples: _LayerSamples | None = None,
+) -> None:
+    """Run the scalar rules over the batch's steps, step by step; before each step, the
+    layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
+    (skipped, or a non-finite loss) go to `samples.bad_steps` for the underflow rules."""
     collapse: rules.LossScaleCollapse = settings["loss_scale_collapse"]  # type: ignore[assignment]
     skip_rate: rules.SkipRate = settings["skip_rate"]  # type: ignore[assignment]
     spike: rules.ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
     stall: rules.ScaleFloorStall = settings["scale_floor_stall"]  # type: ignore[assignment]
     nan_loss: rules.NanLoss = settings["nan_loss"]  # type: ignore[assignment]
     d = state.data
-    # Steps whose gradients had Inf/NaN, from the previous batch's last one on.
-    bad_steps: list[int] = [d["last_skip"]] if d["last_skip"] is not None else []
-
+    d.setdefault("falls", [])
     steps = _primary_steps(state, records)
-    baseline = _act_baseline(d["act"], spike)
+    values = [_act_value(record, spike) for record in steps] if spike.enabled else []
+    baselines = _act_baselines(d["act"], values, spike)
     new_act: list[float] = []
-    for record in steps:
+    for i, record in enumerate(steps):
         s = record.step
+        if samples is not None:
+            samples.judge_until(s)
         scale = _finite(record.loss_scale)
         loss = decode_float(record.loss) if record.loss is not None else None
         skipped = record.skipped
         nan = loss is not None and not math.isfinite(loss)
         if skipped or nan:
-            bad_steps.append(s)
+            if samples is not None:
+                samples.bad_steps.append(s)
             d["last_skip"] = s
         if d["first_step"] is None:
             d["first_step"] = s
@@ -273,6 +282,11 @@ def _evaluate_steps(
             previous = d["scale"]
             if previous is not None and scale < previous:
                 d["last_fall"] = s
+                octaves = math.log2(previous / scale) if scale > 0 else 128.0
+                d["falls"].append([s, octaves])
+            falls = d["falls"]
+            while falls and falls[0][0] < s - spike.scale_fall_window:
+                falls.pop(0)
             if previous is None or scale != previous or not d["changes"]:
                 d["changes"].append([s, scale])
             d["scale"] = scale
@@ -307,16 +321,15 @@ def _evaluate_steps(
                 d["nan_since"] = None
                 tracker.clear("nan_loss", s)
         if spike.enabled:
-            value = _act_value(record, spike)
+            value = values[i]
             if value is not None:
-                _activation_spike(tracker, d, s, value, baseline, spike)
+                _activation_spike(tracker, d, s, value, baselines[i], spike)
                 if math.isfinite(value):
                     new_act.append(value)
         d["last_step"] = s
 
     if new_act:
         d["act"] = (d["act"] + new_act)[-spike.baseline_steps :]
-    return bad_steps
 
 
 def _loss_scale_collapse(
@@ -477,14 +490,44 @@ def _act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
     return decode_float(raw) if raw is not None else None
 
 
-def _act_baseline(ring: list[float], rule: rules.ActivationNormSpike) -> tuple[float, float] | None:
-    """(median, scaled MAD) of the ring as of the batch's start; None while too short."""
-    if not rule.enabled or len(ring) < rule.min_baseline_steps:
-        return None
-    values = np.asarray(ring[-rule.baseline_steps :], dtype=np.float64)
-    median = float(np.median(values))
-    mad = 1.4826 * float(np.median(np.abs(values - median)))
-    return median, mad
+def _act_baselines(
+    ring: list[float], values: list[float | None], rule: rules.ActivationNormSpike
+) -> list[tuple[float, float] | None]:
+    """For each step's `values`, the (median, scaled MAD) of the finite norms of the
+    `baseline_steps` steps before it (the ring, then this batch's own), or None while too
+    few. Computed per step, so a batch boundary never changes a baseline; vectorised over
+    the steps whose window is full (all but a run's first `baseline_steps`)."""
+    if not values:
+        return []
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    series = np.asarray(ring + finite, dtype=np.float64)
+    ends = np.empty(len(values), dtype=np.intp)  # window end (exclusive) of each step
+    end = len(ring)
+    for i, value in enumerate(values):
+        ends[i] = end
+        if value is not None and math.isfinite(value):
+            end += 1
+    width = rule.baseline_steps
+    out: list[tuple[float, float] | None] = [None] * len(values)
+    full = np.flatnonzero(ends >= width)
+    if full.size:
+        windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[full] - width]
+        medians = np.median(windows, axis=1)
+        mads = 1.4826 * np.median(np.abs(windows - medians[:, None]), axis=1)
+        for i, median, mad in zip(full.tolist(), medians.tolist(), mads.tolist()):
+            out[i] = (median, mad)
+    for i in np.flatnonzero(ends < width).tolist():
+        if ends[i] >= rule.min_baseline_steps:
+            window = series[: ends[i]]
+            median = float(np.median(window))
+            out[i] = (median, 1.4826 * float(np.median(np.abs(window - median))))
+    return out
+
+
+def _scale_falling(d: dict[str, Any], s: int, rule: rules.ActivationNormSpike) -> bool:
+    """The loss scale fell by 2^scale_fall_octaves within the last scale_fall_window steps."""
+    octaves = sum(o for step, o in d["falls"] if s - step <= rule.scale_fall_window)
+    return bool(octaves >= rule.scale_fall_octaves)
 
 
 def _activation_spike(
@@ -495,23 +538,26 @@ def _activation_spike(
     baseline: tuple[float, float] | None,
     rule: rules.ActivationNormSpike,
 ) -> None:
-    falling = d["last_fall"] is not None and s - d["last_fall"] <= rule.scale_fall_window
+    falling = _scale_falling(d, s, rule)
     # The scale falls just after a spike: the same incident, now the OPT-175B signature.
     recent_spike = d["last_spike"] is not None and s - d["last_spike"] <= rule.scale_fall_window
-    if d["last_fall"] == s and recent_spike and tracker.is_open("activation_norm_spike"):
+    if (d["last_fall"] == s and falling and recent_spike
+            and tracker.is_open("activation_norm_spike")):  # fmt: skip
         tracker.holds("activation_norm_spike", s, lambda: _escalated(d), severity="critical")
-    if baseline is None or d["calibrating"]:
+    # A non-finite norm is a NaN/Inf forward pass: nan_loss's (or the skip's) business,
+    # not a spike; it neither holds nor clears this rule.
+    if baseline is None or d["calibrating"] or not math.isfinite(value):
         return
     median, mad = baseline
-    spiking = not math.isfinite(value) or (
-        value >= rule.min_ratio * median and (mad == 0 or (value - median) / mad > rule.z_threshold)
+    spiking = value >= rule.min_ratio * median and (
+        mad == 0 or (value - median) / mad > rule.z_threshold
     )
     if not spiking:
         tracker.clear("activation_norm_spike", s)
         return
     d["last_spike"] = s
-    d["last_spike_value"] = value if math.isfinite(value) else str(value)
-    z = (value - median) / mad if mad > 0 and math.isfinite(value) else None
+    d["last_spike_value"] = value
+    z = (value - median) / mad if mad > 0 else None
     severity = "critical" if falling else "warning"
     scale, last_fall = d["scale"], d["last_fall"]
 
@@ -525,7 +571,7 @@ def _activation_spike(
             message += (f" while the loss scale is falling (to {_fmt(scale)} at step "
                         f"{last_fall}): the OPT-175B divergence signature")  # fmt: skip
         return message, {
-            "act_norm": value if math.isfinite(value) else str(value),
+            "act_norm": value,
             "baseline_median": median, "baseline_mad": mad, "robust_z": z, "step": s,
             "signal": rule.signal, "loss_scale": scale, "scale_fall_step": last_fall,
         }  # fmt: skip
@@ -594,25 +640,49 @@ class _LayerState:
         }
 
 
-def _evaluate_layers(
-    tracker: Tracker,
-    steps: _StepState,
-    state: _LayerState,
-    records: list[LayerStatsIn],
-    bad_steps: list[int],
-    settings: dict[str, rules.RuleSettings],
-) -> None:
-    underflow: rules.SilentUnderflow = settings["silent_underflow"]  # type: ignore[assignment]
-    risk: rules.UnderflowRisk = settings["underflow_risk"]  # type: ignore[assignment]
-    d = steps.data
-    bad = sorted(set(bad_steps))
-    calibrating = bool(d["calibrating"])
-    for record in sorted(records, key=lambda r: r.step):
+class _LayerSamples:
+    """A batch's layer samples, judged in step order as `_evaluate_steps` walks its steps
+    (`judge_until`), each against the step state as of its own step."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        steps: _StepState,
+        state: _LayerState | None,
+        records: list[LayerStatsIn],
+        settings: dict[str, rules.RuleSettings],
+    ) -> None:
+        self.tracker = tracker
+        self.steps = steps
+        self.state = state
+        self.settings = settings
+        self.queue = sorted(records, key=lambda r: r.step) if state is not None else []
+        self.next = 0
+        last_skip = steps.data["last_skip"]
+        #: Steps whose gradients had Inf/NaN, in step order: the last one of earlier
+        #: batches, then this batch's as `_evaluate_steps` meets them.
+        self.bad_steps: list[int] = [last_skip] if last_skip is not None else []
+
+    def judge_until(self, step: int | None) -> None:
+        """Judge the samples of steps before `step` (None: all that are left)."""
+        while self.next < len(self.queue) and (step is None or self.queue[self.next].step < step):
+            record = self.queue[self.next]
+            self.next += 1
+            assert self.state is not None
+            self._judge(record, self.state)
+
+    def _judge(self, record: LayerStatsIn, state: _LayerState) -> None:
+        underflow = self.settings["silent_underflow"]
+        risk = self.settings["underflow_risk"]
+        assert isinstance(underflow, rules.SilentUnderflow)
+        assert isinstance(risk, rules.UnderflowRisk)
+        d = self.steps.data
         s = record.step
         idx = state.indices(record.names, record.rank)
         fresh = (state.owner[idx] == record.rank) & (state.last[idx] < s)
         if not fresh.any():
-            continue
+            return
+        bad = self.bad_steps
         at = bisect.bisect_left(bad, s - underflow.explain_window_steps)
         explained = at < len(bad) and bad[at] <= s
         max_abs = record.stats.get("max_abs_scaled")
@@ -620,16 +690,17 @@ def _evaluate_layers(
             fresh_ok = fresh & np.isfinite(max_abs)
         else:
             fresh_ok = fresh
+        calibrating = bool(d["calibrating"])
         zero = record.stats.get("zero_fraction")
         if zero is not None and underflow.enabled:
-            _silent_underflow(tracker, state, record, idx, zero, fresh_ok, explained,
+            _silent_underflow(self.tracker, state, record, idx, zero, fresh_ok, explained,
                               calibrating, underflow)  # fmt: skip
         flush = record.stats.get("flush_fraction")
         judge_risk = (
             risk.enabled and not calibrating and (d["scale_seen"] or not risk.only_with_loss_scale)
         )
         if flush is not None and judge_risk:
-            _underflow_risk(tracker, state, record, idx, flush, fresh_ok, risk)
+            _underflow_risk(self.tracker, state, record, idx, flush, fresh_ok, risk)
         state.last[idx[fresh]] = s
 
 
@@ -649,11 +720,16 @@ def _silent_underflow(
     if explained or not valid.any():
         return
     base, dev, n = state.base[idx], state.dev[idx], state.n[idx]
-    judged = valid & (n >= rule.baseline_samples) & (not calibrating)
+    has_baseline = n >= rule.baseline_samples
+    judged = valid & has_baseline & (not calibrating)
     excess = zero - base
-    frozen = (zero >= 1.0) & (base <= rule.frozen_max_baseline)
+    # A whole tensor at exactly zero is not learning: judged from its first sample, with
+    # or without a baseline (see `SilentUnderflow.frozen_max_baseline`).
+    frozen = valid & (zero >= 1.0) & (
+        (rule.frozen_max_baseline >= 1.0) | (has_baseline & (base <= rule.frozen_max_baseline))
+    )
     raised = (excess >= rule.min_increase) & (excess >= rule.spread_factor * dev)
-    firing = judged & (raised | frozen)
+    firing = (judged & raised) | frozen
 
     # Baselines learn from healthy samples only, so a sustained underflow never becomes
     # the layer's new normal: a running mean first, then an EWMA.
@@ -667,6 +743,8 @@ def _silent_underflow(
 
     for j in np.flatnonzero(firing):
         name = record.names[j]
+        if tracker.still_firing("silent_underflow", name):
+            continue
         value, baseline, spread = float(zero[j]), float(base[j]), float(dev[j])
         is_frozen = bool(frozen[j])
 
@@ -689,7 +767,9 @@ def _silent_underflow(
             )  # fmt: skip
 
         tracker.holds("silent_underflow", s, detail, layer=name)
-    _clear_open(tracker, "silent_underflow", record, judged & ~firing)
+    # Clear where judged, and where only the frozen test applies (no baseline yet).
+    clear = (judged | (valid & ~has_baseline)) & ~firing
+    _clear_open(tracker, "silent_underflow", record, clear)
 
 
 def _underflow_risk(
@@ -706,6 +786,8 @@ def _underflow_risk(
     risky = valid & (flush >= rule.max_flush_fraction)
     for j in np.flatnonzero(risky):
         name, value = record.names[j], float(flush[j])
+        if tracker.still_firing("underflow_risk", name):
+            continue
 
         def detail(name: str = name, value: float = value) -> tuple[str, dict[str, Any]]:
             return (

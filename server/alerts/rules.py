@@ -12,7 +12,7 @@ unknown setting or a wrong type is refused with a message that names it.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
@@ -133,16 +133,25 @@ class ActivationNormSpike(RuleSettings):
     scale_fall_window: int = Field(
         default=50,
         ge=0,
-        description="Critical when the loss scale fell within this many steps of the spike "
-        "(the OPT-175B divergence signature).",
+        description="Critical when the loss scale fell by 2^scale_fall_octaves within this "
+        "many steps of the spike (the OPT-175B divergence signature).",
+    )
+    scale_fall_octaves: int = Field(
+        default=2,
+        ge=1,
+        le=128,
+        description="Halvings within scale_fall_window that make a falling scale: one "
+        "halving is what a healthy scaler does on any single overflow (a corrupted batch's "
+        "own step included); a second one means the overflows go on.",
     )
 
 
 class SilentUnderflow(RuleSettings):
     for_steps: int = _for_steps(
-        100,
-        "Steps the excess must be sustained (about 5 samples at the agent's default of "
-        "one layer sample per 20 steps).",
+        40,
+        "Steps the excess must be sustained: the 3rd consecutive sample at the agent's "
+        "default of one layer sample per 20 steps (one bad sample is noise, three are a "
+        "trend), and a few more samples where layers are sampled more often.",
     )
     resolve_steps: int = _resolve_steps(100)
     min_increase: float = Field(
@@ -169,11 +178,14 @@ class SilentUnderflow(RuleSettings):
         description="EWMA weight of a new healthy sample in the baseline (~20 samples).",
     )
     frozen_max_baseline: float = Field(
-        default=0.99,
+        default=1.0,
         ge=0,
         le=1,
-        description="A layer at 100% zeros is 'frozen' (fires regardless of min_increase) "
-        "when its baseline was at most this: an always-zero tensor is structural.",
+        description="A layer at 100% zeros is 'frozen' (fires regardless of min_increase, "
+        "from its first sample) when its baseline is at most this. 1.0: always. Structural "
+        "zeros (unused embedding rows, dead units) are partial, never the whole tensor, and "
+        "a parameter that gets no gradient has .grad None and is not sampled; lower this "
+        "for a model that zeroes unused gradients (zero_grad(set_to_none=False)).",
     )
     explain_window_steps: int = Field(
         default=5,
@@ -184,7 +196,10 @@ class SilentUnderflow(RuleSettings):
 
 
 class UnderflowRisk(RuleSettings):
-    for_steps: int = _for_steps(100)
+    for_steps: int = _for_steps(
+        40, "Steps the forecast must hold: the 3rd consecutive sample at the agent's default "
+        "of one layer sample per 20 steps."
+    )
     resolve_steps: int = _resolve_steps(100)
     max_flush_fraction: float = Field(
         default=0.1,
@@ -232,6 +247,12 @@ class Finding(RuleSettings):
 
 
 RuleScope = Literal["run", "layer"]
+#: Every rule's name, for typed query parameters (checked against `RULES` below).
+RuleName = Literal[
+    "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
+    "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
+    "clip_before_unscale",
+]  # fmt: skip
 
 
 @dataclass(frozen=True)
@@ -260,8 +281,9 @@ RULES: dict[str, Rule] = {
         Rule(
             "activation_norm_spike", "warning", "run", ActivationNormSpike,
             "The final layer's activation norm is far above its own robust rolling "
-            "baseline; critical when the loss scale is falling at the same time "
-            "(the OPT-175B divergence signature).",
+            "baseline; critical when the loss scale falls (2^scale_fall_octaves within "
+            "scale_fall_window steps) at the same time (the OPT-175B divergence signature). "
+            "A non-finite norm is nan_loss's, not a spike.",
         ),
         Rule(
             "silent_underflow", "critical", "layer", SilentUnderflow,
@@ -308,10 +330,19 @@ FINDING_RULES: dict[str, str] = {
     "clip_before_unscale": "clip_before_unscale",
 }
 
+#: Configuration findings: true of the whole process from its start, not incidents with an
+#: onset. The restart advisor does not let them reject checkpoints (no checkpoint fixes a
+#: configuration); it warns instead (`ampwatch.server.advisor`).
+CONFIGURATION_RULES = frozenset(FINDING_RULES.values())
+
 #: Rules whose new alerts are inhibited while the run's loss_scale_collapse fires.
 INHIBITED_BY_COLLAPSE = frozenset({"silent_underflow", "underflow_risk"})
 
 SEVERITY_ORDER: dict[str, int] = {"info": 0, "warning": 1, "critical": 2}
+
+
+if set(get_args(RuleName)) != set(RULES):  # pragma: no cover - a rule added to one only
+    raise RuntimeError("RuleName must list exactly the rules of RULES")
 
 
 def settings_model(rule: str) -> type[RuleSettings]:

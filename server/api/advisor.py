@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ampwatch.server.advisor import AdvisorConfig, restart_candidates
+from ampwatch.server.advisor import restart_candidates, run_config
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
 from ampwatch.server.schemas import MAX_BIGINT, RestartCandidates
 
@@ -27,11 +27,17 @@ def get_restart_candidates(
         ),
     ] = None,
     min_loss_scale: Annotated[
-        float,
-        Query(gt=0, allow_inf_nan=False, description="Lowest healthy loss scale."),
-    ] = AdvisorConfig.min_loss_scale,
+        float | None,
+        Query(
+            gt=0,
+            allow_inf_nan=False,
+            description="Lowest healthy loss scale (default: the run's effective "
+            "loss_scale_collapse min_scale, 1.0 unless configured).",
+        ),
+    ] = None,
 ) -> RestartCandidates:
     """The run's checkpoints ranked for a restart, each with the reasons for its verdict;
     `recommended` is the latest healthy one (null when none is)."""
-    config = AdvisorConfig(min_loss_scale=min_loss_scale)
+    overrides = {} if min_loss_scale is None else {"min_loss_scale": min_loss_scale}
+    config = run_config(session, run_id, **overrides)
     return restart_candidates(session, run_id, config=config, margin_steps=margin_steps)

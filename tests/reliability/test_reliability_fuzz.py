@@ -91,10 +91,7 @@ def valid_batch(client_run_id: str, project: str = "vision", seq: int = 0) -> di
 #: Failures in endpoints other engineers are building, reported to them and not yet
 #: fixed: (operation, schemathesis failure code). Listed, so that every other failure
 #: still fails this test; remove an entry when its endpoint is fixed.
-KNOWN: dict[tuple[str, str], str] = {
-    ("GET /api/v1/alerts", "ST108"): "an unknown `rule` query answers 422 with a string "
-    "detail; documented: FastAPI's HTTPValidationError (a list)",
-}
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def _known(failure: str) -> str | None:

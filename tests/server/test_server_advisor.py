@@ -326,3 +326,43 @@ def test_reads_stay_near_each_checkpoint(collector: Any, client: httpx.Client) -
     assert sum("max(steps.step)" in s for s in step_reads) == 1
     assert all("BETWEEN" in s for s in step_reads if "max(steps.step)" not in s)
     assert rollup_reads and all("LIMIT" in s for s in rollup_reads)
+
+
+def test_a_configuration_finding_is_a_caveat_not_an_incident(
+    collector: Any, client: httpx.Client, crash_run: int
+) -> None:
+    """fp16_no_scaler_underflow: fp16_without_scaler fires (critical) from step 0 and never
+    resolves; no checkpoint is free of it, and none would fix it. The checkpoints are judged
+    by the incident (silent underflow from 130), each with the caveat."""
+    set_alerts(
+        collector.database_url,
+        crash_run,
+        [
+            alert("fp16_without_scaler", "critical", 0, 0, None),
+            alert("silent_underflow", "critical", 130, 140, None, layer="blocks.0.fc.weight"),
+            alert("silent_underflow", "critical", 150, 160, None, layer="blocks.1.fc.weight"),
+        ],
+    )
+    answer = client.get(f"/api/v1/runs/{crash_run}/restart-candidates").json()
+    assert (answer["onset_step"], answer["onset_rule"]) == (130, "silent_underflow")
+    assert answer["recommended"]["step"] == 100
+    c = by_step(answer)
+    caveat = "the run trains FP16 without a loss scaler: fix that before restarting"
+    assert all(candidate["reasons"][-1] == caveat for candidate in answer["candidates"])
+    assert c[100]["reasons"][0].startswith("latest healthy checkpoint: scale 65536")
+    assert not any("fp16_without_scaler" in reason for reason in c[100]["reasons"])
+
+
+@SQLITE_ONLY
+def test_min_loss_scale_follows_the_runs_collapse_settings(
+    client: httpx.Client, crash_run: int
+) -> None:
+    put = client.put(f"/api/v1/runs/{crash_run}/alert-config",
+                     json={"rules": {"loss_scale_collapse": {"min_scale": 100000.0}}})  # fmt: skip
+    assert put.status_code == 200, put.text
+    url = f"/api/v1/runs/{crash_run}/restart-candidates"
+    answer = client.get(url).json()
+    assert answer["recommended"] is None
+    assert "loss scale 65536 < 100000" in by_step(answer)[100]["reasons"]
+    # The query parameter still wins.
+    assert client.get(url, params={"min_loss_scale": 1}).json()["recommended"]["step"] == 100

@@ -9,13 +9,13 @@ from typing import Any
 
 import pytest
 from alert_feed import Feed, healthy, layer_sample
-from sqlalchemy import func, select
+from sqlalchemy import event, func, select
 from wire_batches import step_record
 
 from ampwatch.server import lifecycle, migrate
 from ampwatch.server.alerts import evaluate, sweep
 from ampwatch.server.db import make_engine, make_sessionmaker
-from ampwatch.server.models import AlertConfig, Step, Webhook
+from ampwatch.server.models import AlertConfig, Notification, Step, Webhook
 
 
 @pytest.fixture
@@ -109,7 +109,7 @@ def test_escalation_to_critical_is_notified_again(feed: Feed) -> None:
     feed.send_steps(healthy(1, 299))
     feed.send(healthy(300, 1, act=60.0) + healthy(301, 2))
     assert feed.notifications() == [("activation_norm_spike", "firing")]
-    feed.send(healthy(303, 1, skips={303: 2048.0}) + healthy(304, 5, scale=2048.0))
+    feed.send(healthy(303, 2, skips={303: 2048.0, 304: 1024.0}) + healthy(305, 5, scale=1024.0))
     (alert,) = feed.alerts()
     assert alert.severity == "critical"
     assert feed.notifications() == [("activation_norm_spike", "firing")] * 2
@@ -229,3 +229,108 @@ def test_a_failing_evaluation_never_loses_the_batch(
     assert [a.rule for a in feed.alerts()] == ["loss_scale_collapse"]
     with feed.sessions() as session:
         assert session.scalar(select(func.count()).select_from(Step)) == 110
+
+
+def incident_series() -> tuple[list[Any], list[Any]]:
+    """600 steps with a warm-up cascade, a spike with two halvings at 300, an embedding
+    forecast to flush from step 1, a layer underflowing from 400 and one frozen from 450;
+    layers sampled every 20 steps."""
+    steps: list[Any] = []
+    scale = 65536.0
+    for step in range(1, 601):
+        skipped = step <= 4 or step in (302, 303)
+        if skipped:
+            scale /= 2
+        act = (10.0 + step / 100) * (1 + 0.02 * ((step * 7919) % 11 - 5) / 5)
+        if 300 <= step <= 305:
+            act *= 6
+        steps.append(step_record(step, skipped=skipped, loss=2.0, loss_scale=scale,
+                                 act_norm_mean=act, act_norm_max=2 * act))  # fmt: skip
+    samples = []
+    for step in range(1, 601, 20):
+        zero = {"emb.weight": 0.7, "fc1.weight": 0.6 if step >= 400 else 0.02,
+                "norm.weight": 1.0 if step >= 450 else 0.0}  # fmt: skip
+        flush = {"emb.weight": 0.5, "fc1.weight": 0.01, "norm.weight": 0.01}
+        samples.append(layer_sample(step, zero, extra={"flush_fraction": flush}))
+    return steps, samples
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_alerts_do_not_depend_on_how_batches_were_cut(feed: Feed) -> None:
+    """The same training data in batches of 7, 50 and 200 steps: identical alerts."""
+    steps, samples = incident_series()
+    seen = []
+    for per_batch in (7, 50, 200):
+        run = Feed(feed.sessions, f"cut-{per_batch}")
+        for first in range(1, 601, per_batch):
+            last = first + per_batch - 1
+            run.send(steps[first - 1 : last], [x for x in samples if first <= x["step"] <= last])
+        seen.append(sorted((a.rule, a.layer, a.started_step, a.fired_step, a.severity)
+                           for a in run.alerts()))  # fmt: skip
+    assert seen[0] == seen[1] == seen[2], seen
+    rules = {(rule, layer) for rule, layer, *_ in seen[0]}
+    assert rules == {("activation_norm_spike", ""), ("underflow_risk", "emb.weight"),
+                     ("silent_underflow", "fc1.weight"), ("silent_underflow", "norm.weight")}
+
+
+def layer_batch(feed: Feed, start: int, zero: dict[str, float]) -> None:
+    feed.send(healthy(start, 100), [layer_sample(s, zero) for s in range(start, start + 100, 20)])
+
+
+def test_layers_of_one_incident_page_once(feed: Feed) -> None:
+    """Per-(run, rule, layer) alerts, one notification per incident: 20 layers freezing
+    fire one page (the lead's message counts them); the resolution is notified, for the
+    lead, when the last layer recovers."""
+    add_webhook(feed)
+    names = [f"blocks.{i}.weight" for i in range(20)]
+    for start in range(100, 400, 100):
+        layer_batch(feed, start, dict.fromkeys(names, 0.01))
+    layer_batch(feed, 400, dict.fromkeys(names, 1.0))
+    firing = feed.alerts(status="firing")
+    assert len(firing) == 20 and {a.rule for a in firing} == {"silent_underflow"}
+    assert feed.notifications() == [("silent_underflow", "firing")]
+    lead = firing[0]
+    assert lead.values["layers_affected"] == 20
+    assert "[20 layers of this run affected]" in lead.message
+    assert {a.values.get("group_lead_id") for a in firing[1:]} == {lead.id}
+
+    # Half recover: no page; the other half later: one resolution, for the lead.
+    layer_batch(feed, 500, {n: 0.01 if i < 10 else 1.0 for i, n in enumerate(names)})
+    layer_batch(feed, 600, {n: 0.01 if i < 10 else 1.0 for i, n in enumerate(names)})
+    assert len(feed.alerts(status="resolved")) == 10
+    assert feed.notifications() == [("silent_underflow", "firing")]
+    for start in range(700, 900, 100):
+        layer_batch(feed, start, dict.fromkeys(names, 0.01))
+    assert len(feed.alerts(status="resolved")) == 20
+    assert feed.notifications() == [("silent_underflow", t) for t in ("firing", "resolved")]
+    with feed.sessions() as session:
+        assert set(session.scalars(select(Notification.alert_id))) == {lead.id}
+
+    # A later incident of the same rule pages again.
+    layer_batch(feed, 900, dict.fromkeys(names[:3], 1.0))
+    assert feed.notifications()[-1] == ("silent_underflow", "firing")
+
+
+@pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
+def test_a_storm_batch_without_transitions_rewrites_no_alert(feed: Feed) -> None:
+    """Hundreds of open layer alerts: a batch in which none changes state writes no alert
+    row (an alert is written on its transitions, not re-rendered every batch)."""
+    names = [f"blocks.{i}.weight" for i in range(300)]
+    for start in range(100, 400, 100):
+        layer_batch(feed, start, dict.fromkeys(names, 0.01))
+    layer_batch(feed, 400, dict.fromkeys(names, 1.0))
+    assert len(feed.alerts(status="firing")) == 300
+    statements: list[str] = []
+
+    def capture(_conn: Any, _cursor: Any, statement: str, *_: Any) -> None:
+        statements.append(statement)
+
+    engine = feed.sessions.kw["bind"]
+    event.listen(engine, "before_cursor_execute", capture)
+    try:
+        layer_batch(feed, 500, dict.fromkeys(names, 1.0))
+    finally:
+        event.remove(engine, "before_cursor_execute", capture)
+    written = ("UPDATE ALERTS", "INSERT INTO ALERTS", "DELETE FROM ALERTS")
+    assert [s for s in statements if s.lstrip().upper().startswith(written)] == []
+    assert len(feed.alerts(status="firing")) == 300

@@ -111,9 +111,10 @@ def test_activation_spike_is_a_warning_alone_and_critical_with_a_falling_scale(
     assert (alert.severity, alert.started_step) == ("warning", 300)
     assert "norm 60.72 at step 300 is 6.1x its rolling median 10 (robust z" in alert.message
 
-    # A second incident later: the spike comes with a halving of the scale.
+    # A second incident later: the spike comes with two halvings of the scale.
     feed.send_steps(healthy(400, 200))
-    feed.send(healthy(600, 2, skips={600: 2048.0}, act=80.0) + healthy(602, 10, scale=2048.0))
+    feed.send(healthy(600, 2, skips={600: 2048.0, 601: 1024.0}, act=80.0)
+              + healthy(602, 10, scale=1024.0))  # fmt: skip
     alerts = feed.alerts(rule="activation_norm_spike")
     assert [a.status for a in alerts] == ["resolved", "firing"]
     assert alerts[1].severity == "critical"
@@ -122,19 +123,40 @@ def test_activation_spike_is_a_warning_alone_and_critical_with_a_falling_scale(
 
 def test_a_spike_then_a_fall_escalates_to_critical(feed: Feed) -> None:
     feed.send_steps(healthy(1, 299))
-    feed.send(healthy(300, 1, act=60.0) + healthy(301, 3) + healthy(304, 1, skips={304: 2048.0})
-              + healthy(305, 5, scale=2048.0))  # fmt: skip
+    feed.send(healthy(300, 1, act=60.0) + healthy(301, 3)
+              + healthy(304, 2, skips={304: 2048.0, 305: 1024.0})
+              + healthy(306, 5, scale=1024.0))  # fmt: skip
     (alert,) = feed.alerts(rule="activation_norm_spike")
     assert alert.severity == "critical"
-    assert alert.values["scale_fall_step"] == 304
+    assert alert.values["scale_fall_step"] == 305  # the second halving: a falling scale
+
+
+def test_one_halving_after_a_spike_is_not_a_falling_scale(feed: Feed) -> None:
+    """A spiking step that overflows halves the scale once, as any single overflow does:
+    that is not the OPT-175B signature (scale_fall_octaves=2)."""
+    feed.send_steps(healthy(1, 299))
+    feed.send(healthy(300, 1, act=60.0, skips={300: 2048.0}) + healthy(301, 20, scale=2048.0))
+    (alert,) = feed.alerts(rule="activation_norm_spike")
+    assert alert.severity == "warning"
+
+
+def test_a_nan_batch_is_nan_loss_not_an_activation_spike(feed: Feed) -> None:
+    """The nan_loss scenario: one corrupted batch (NaN loss and NaN norm, skipped, one
+    halving), then recovery. It is nan_loss's incident; the norm did not spike."""
+    feed.send_steps(healthy(1, 149))
+    nan = step_record(150, skipped=True, loss=math.nan, loss_scale=1048576.0,
+                      act_norm_mean=math.nan, act_norm_max=math.nan)  # fmt: skip
+    feed.send([nan] + healthy(151, 99, scale=524288.0))
+    assert {a.rule for a in feed.alerts()} == {"nan_loss"}
 
 
 def zero_fractions(step: int, **changed: float) -> dict[str, float]:
     """An embedding with ~70% structural zeros (+-5% by batch), two dense layers, and a
-    parameter that never gets a gradient; `changed` overrides a layer (`fc1=0.6`)."""
+    masked tensor whose gradient is almost (never entirely) zero; `changed` overrides a
+    layer (`fc1=0.6`)."""
     wobble = 0.05 * ((step * 31) % 7 - 3) / 3
     values = {"embed.weight": 0.7 + wobble, "fc1.weight": 0.02, "fc2.weight": 0.0,
-              "unused.weight": 1.0}  # fmt: skip
+              "masked.weight": 0.995}  # fmt: skip
     values.update({f"{layer}.weight": value for layer, value in changed.items()})
     return values
 
@@ -151,19 +173,36 @@ def feed_layers(feed: Feed, first: int, last: int, **changed: float) -> None:
 
 
 def test_silent_underflow_fires_per_layer_against_its_own_baseline(feed: Feed) -> None:
-    feed_layers(feed, 100, 600)  # embed's 70% zeros and unused's 100% are structural
+    feed_layers(feed, 100, 600)  # embed's 70% zeros and masked's 99.5% are structural
     assert feed.alerts() == []
     feed_layers(feed, 600, 800, fc1=0.6, fc2=1.0)
     alerts = {a.layer: a for a in feed.alerts(rule="silent_underflow")}
     assert set(alerts) == {"fc1.weight", "fc2.weight"}
     fc1, fc2 = alerts["fc1.weight"], alerts["fc2.weight"]
-    assert (fc1.status, fc1.started_step, fc1.fired_step) == ("firing", 600, 700)
+    # for_steps=40: the 3rd consecutive sample at one sample per 20 steps.
+    assert (fc1.status, fc1.started_step, fc1.fired_step) == ("firing", 600, 640)
     assert fc1.values["zero_fraction"] == pytest.approx(0.6)
     assert fc1.values["baseline"] == pytest.approx(0.02, abs=1e-6)
     assert "60.0% of its gradients are exactly zero against a baseline of 2.0%" in fc1.message
     assert fc2.values["frozen"] is True and "(frozen)" in fc2.message
     feed_layers(feed, 800, 1000)
     assert {a.status for a in feed.alerts(rule="silent_underflow")} == {"resolved"}
+
+
+def test_a_tensor_all_zero_from_its_first_sample_is_frozen(feed: Feed) -> None:
+    """static_scale_too_small: LayerNorm gradients flush to exactly zero from step 1, so
+    no healthy baseline ever exists; a whole tensor at zero fires anyway, while the
+    embedding's 95-99% structural zeros stay quiet."""
+    for start in range(1, 301, 100):
+        samples = [layer_sample(s, {"norm.weight": 1.0, "embed.weight": 0.95 + 0.04 * (s % 2),
+                                    "fc.weight": 0.9})
+                   for s in range(start, start + 100, 20)]  # fmt: skip
+        feed.send(healthy(start, 100), samples)
+    (alert,) = feed.alerts(rule="silent_underflow")
+    assert (alert.layer, alert.status, alert.started_step, alert.fired_step) == (
+        "norm.weight", "firing", 1, 41
+    )  # fmt: skip
+    assert alert.values["frozen"] is True
 
 
 def test_zeros_explained_by_skipped_steps_do_not_fire(feed: Feed) -> None:
@@ -177,9 +216,11 @@ def test_zeros_explained_by_skipped_steps_do_not_fire(feed: Feed) -> None:
 
 def test_a_pending_underflow_that_clears_before_its_duration_leaves_nothing(feed: Feed) -> None:
     feed_layers(feed, 100, 600)
-    feed_layers(feed, 600, 700, fc1=0.6)  # 5 samples: 600..680, less than for_steps=100
+    samples = [layer_sample(s, zero_fractions(s, fc1=0.6)) for s in (600, 620)]
+    feed.send(healthy(600, 30), samples)  # 2 samples: 20 steps, less than for_steps=40
     (pending,) = feed.alerts()
     assert (pending.status, pending.layer, pending.started_step) == ("pending", "fc1.weight", 600)
+    feed.send(healthy(630, 70), [layer_sample(s, zero_fractions(s)) for s in (640, 660, 680)])
     feed_layers(feed, 700, 800)
     assert feed.alerts() == []
     assert feed.notifications() == []
