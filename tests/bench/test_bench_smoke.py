@@ -33,8 +33,6 @@ def test_detection_bench_runs_and_reports() -> None:
         [sys.executable, str(BENCH / "detection.py"), "--only", "healthy_bf16", "nan_loss"],
         capture_output=True, text=True, timeout=180, check=False,
     )  # fmt: skip
-    # 1: a bar was missed, 2: no alert engine in this collector; a crash is a failure.
-    assert done.returncode in (0, 1, 2), done.stderr
-    assert "Traceback" not in done.stderr
+    assert done.returncode == 0, done.stdout + done.stderr  # 1: a bar was missed
     assert "healthy_bf16" in done.stdout and "nan_loss" in done.stdout, done.stdout
     assert "bars:" in done.stdout, done.stdout
