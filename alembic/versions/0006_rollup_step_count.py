@@ -24,20 +24,16 @@ down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
-#: `ampwatch.server.rollups.ROLLUP_WIDTH` when this revision was written.
-ROLLUP_WIDTH = 64
-
-
 def upgrade() -> None:
     with op.batch_alter_table("step_rollups") as batch:
         batch.add_column(
             sa.Column("step_count", sa.Integer(), nullable=False, server_default="0")
         )
+    # 63 = ROLLUP_WIDTH - 1: a bucket is the 64 steps from its bucket_start.
     op.execute(
         "UPDATE step_rollups SET step_count = (SELECT count(*) FROM steps"
         " WHERE steps.run_id = step_rollups.run_id AND steps.rank = step_rollups.rank"
-        f" AND steps.step BETWEEN step_rollups.bucket_start"
-        f" AND step_rollups.bucket_start + {ROLLUP_WIDTH - 1})"
+        " AND steps.step BETWEEN step_rollups.bucket_start AND step_rollups.bucket_start + 63)"
     )
 
 
