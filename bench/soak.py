@@ -27,97 +27,31 @@ import gzip
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
 import uuid
 from pathlib import Path
 
+ROOT = Path(__file__).resolve().parents[1]
+# The collector process helpers live beside the bounded versions of these runs (the
+# reliability tests); imported by file name, as pytest does.
+sys.path.insert(0, str(ROOT / "tests" / "reliability"))
+
 import httpx
 import orjson
 from collector import drop_postgres_database, postgres_database
+from reliability_procs import CollectorProcess, free_port
 from sqlalchemy import func, select
 
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import make_engine
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
-from ampwatch.server.serving import bind_socket
 
 STEPS_PER_BATCH = 50
 LAYERS = 100
 LAYER_EVERY = 10
-
-
-class Collector:
-    """`ampwatch serve --workers N --no-migrate` in its own process group."""
-
-    def __init__(self, database_url: str, workers: int, port: int | None = None) -> None:
-        self.database_url = database_url
-        self.workers = workers
-        if port is None:
-            sock = bind_socket()
-            port = int(sock.getsockname()[1])
-            sock.close()
-        self.port = port
-        self.url = f"http://127.0.0.1:{port}"
-        self.process: subprocess.Popen[bytes] | None = None
-
-    def start(self) -> Collector:
-        env = {**os.environ, "AMPWATCH_DATABASE_URL": self.database_url,
-               "AMPWATCH_PORT": str(self.port), "AMPWATCH_DASHBOARD": "false"}  # fmt: skip
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", "ampwatch.server.cli", "serve", "--no-migrate",
-             "--workers", str(self.workers)],
-            env=env, start_new_session=True, stdout=subprocess.DEVNULL,
-        )  # fmt: skip
-        deadline = time.monotonic() + 60
-        while time.monotonic() < deadline:
-            try:
-                if httpx.get(f"{self.url}/readyz", timeout=2).status_code == 200:
-                    return self
-            except httpx.HTTPError:
-                pass
-            time.sleep(0.1)
-        raise RuntimeError("the collector did not start")
-
-    def workers_pids(self) -> list[int]:
-        assert self.process is not None
-        found = []
-        for entry in Path("/proc").iterdir():
-            if entry.name.isdigit():
-                try:
-                    stat = (entry / "stat").read_text()
-                except OSError:
-                    continue
-                if int(stat.rpartition(")")[2].split()[1]) == self.process.pid:
-                    found.append(int(entry.name))
-        return found
-
-    def kill(self) -> None:
-        if self.process is not None:
-            os.killpg(self.process.pid, signal.SIGKILL)
-            self.process.wait()
-            self.process = None
-
-    def stop(self) -> None:
-        if self.process is not None:
-            self.process.terminate()
-            try:
-                self.process.wait(timeout=30)
-            except subprocess.TimeoutExpired:
-                pass
-            self.kill()
-
-
-def _is_worker(pid: int) -> bool:
-    """A uvicorn worker (multiprocessing's spawn), not its resource tracker."""
-    try:
-        cmdline = Path(f"/proc/{pid}/cmdline").read_bytes().decode(errors="replace")
-    except OSError:
-        return False
-    return "spawn_main" in cmdline and "resource_tracker" not in cmdline
 
 
 def wire_body(run: str, seq: int) -> tuple[bytes, int, int]:
@@ -140,8 +74,8 @@ def wire_body(run: str, seq: int) -> tuple[bytes, int, int]:
     return gzip.compress(orjson.dumps(batch), compresslevel=1), STEPS_PER_BATCH, values
 
 
-def load(url: str, agents: int, seconds: float, tag: str,
-         chaos: Collector | None = None, kill_every: float = 5.0) -> dict[str, float]:  # fmt: skip
+def load(url: str, agents: int, seconds: float, tag: str, chaos: CollectorProcess | None = None,
+         kill_every: float = 5.0) -> dict[str, float]:  # fmt: skip
     """Agents for `seconds`; with `chaos`, SIGKILL one of its workers every `kill_every` s."""
     lock = threading.Lock()
     latencies: list[float] = []
@@ -186,7 +120,7 @@ def load(url: str, agents: int, seconds: float, tag: str,
         while time.monotonic() < stop_at - 1:
             if time.monotonic() >= next_kill:
                 next_kill += kill_every
-                pids = [pid for pid in chaos.workers_pids() if _is_worker(pid)]
+                pids = chaos.worker_pids()
                 if pids:
                     os.kill(pids[totals["kills"] % len(pids)], signal.SIGKILL)
                     totals["kills"] += 1
@@ -235,7 +169,7 @@ def report_load(name: str, result: dict[str, float], database_url: str, tag: str
     return ok
 
 
-def training_under_kills(collector: Collector, database_url: str, kills: int,
+def training_under_kills(collector: CollectorProcess, database_url: str, kills: int,
                          steps_between: int) -> bool:  # fmt: skip
     """A real FP16 loop with the agent while the collector is killed `kills` times."""
     import torch
@@ -332,7 +266,7 @@ def main() -> int:
     print(f"{args.agents} agents, {args.workers} workers, PostgreSQL, {os.cpu_count()} CPUs "
           "(agents share them)", flush=True)  # fmt: skip
     upgrade(database_url)
-    collector = Collector(database_url, args.workers).start()
+    collector = CollectorProcess(database_url, free_port(), workers=args.workers).start()
     ok = True
     try:
         tag = uuid.uuid4().hex[:8]

@@ -7,16 +7,20 @@ from __future__ import annotations
 import functools
 import sqlite3
 import statistics
+import sys
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import pytest
-import torch
-from torch import nn
+# The training loop is the reliability tests' (`tests/reliability/reliability_support.py`);
+# imported by file name, as pytest imports the helper modules beside each test.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 
-from ampwatch.agent import attach, watch
+import pytest
+from reliability_support import Trainer as ReliabilityTrainer
+
+from ampwatch.agent import attach
 from ampwatch.agent.transport import Sender
 from ampwatch.server.cli import main
 from ampwatch.server.serving import BackgroundCollector, bind_socket
@@ -33,39 +37,15 @@ def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(attach, "Sender", functools.partial(Sender, retry_cap=0.2))
 
 
-class Trainer:
-    """A small FP16 autocast MLP with a GradScaler on the CPU; times every step."""
+class Trainer(ReliabilityTrainer):
+    """The reliability tests' FP16 loop with one hidden layer of 256, layer statistics
+    every `LAYER_STATS_EVERY` steps."""
 
     def __init__(self) -> None:
-        torch.manual_seed(0)
-        self.model = nn.Sequential(nn.Linear(64, 256), nn.ReLU(), nn.Linear(256, 16))
-        self.optimizer = torch.optim.SGD(self.model.parameters(), lr=0.01)
-        self.scaler = torch.amp.GradScaler("cpu")
-        self.inputs = torch.randn(32, 64)
+        super().__init__(width=256, depth=1)
 
     def watch(self, **kwargs: Any) -> Any:
-        return watch(
-            self.model,
-            self.optimizer,
-            self.scaler,
-            flush_interval=0.05,
-            layer_stats_every=LAYER_STATS_EVERY,
-            **kwargs,
-        )
-
-    def step(self) -> float:
-        started = time.perf_counter()
-        with torch.autocast("cpu", dtype=torch.float16):
-            loss = self.model(self.inputs).float().pow(2).mean()
-        self.scaler.scale(loss).backward()
-        self.scaler.step(self.optimizer)
-        self.scaler.update()
-        self.optimizer.zero_grad()
-        return time.perf_counter() - started
-
-    def train(self, steps: int) -> None:
-        for _ in range(steps):
-            self.step()
+        return super().watch(layer_stats_every=LAYER_STATS_EVERY, **kwargs)
 
 
 def _free_port() -> int:

@@ -4,6 +4,8 @@ printed at the end of the session (the numbers the README's reliability section 
 
 Bounded versions of the long runs in `bench/soak.py`; every test here runs against the
 PostgreSQL server on 127.0.0.1:5432 (a fresh database per test) and skips without it.
+`bench/soak.py` runs its collector with `CollectorProcess` from here (imported by file
+name: it puts this folder on `sys.path`).
 """
 
 from __future__ import annotations

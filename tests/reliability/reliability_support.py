@@ -1,5 +1,8 @@
 """What the reliability tests share besides fixtures: a small real FP16 training loop,
-exactly-once checks on the stored rows, and wire batches built like the agent's."""
+exactly-once checks on the stored rows, and wire batches built like the agent's.
+
+`tests/agent/test_spool_live.py` imports `Trainer` from here by file name (it puts this
+folder on `sys.path`), so the two suites time the same loop."""
 
 from __future__ import annotations
 
