@@ -63,7 +63,7 @@ def test_collector_sigkilled_mid_run_and_restarted(
         pairs = [(trainer.step(), bare.step()) for _ in range(n)]
         return [w for w, _ in pairs], [b for _, b in pairs]
 
-    interleaved(third)
+    up_watched, up_bare = interleaved(third)
     wait_for(lambda: _steps_stored(rows) > 0, what="first steps stored")
     first.kill()
     down_watched, down_bare = interleaved(third)
@@ -75,8 +75,10 @@ def test_collector_sigkilled_mid_run_and_restarted(
     counters = handle.counters
     assert counters["hook_errors"] == 0
     assert counters["send_failures"] >= 1  # the kill was felt by the sender, not the loop
-    ratio = slowdown(down_watched, down_bare)
-    assert ratio < 1.5, ratio  # loose: 6 engineers share this 2-core machine
+    # The agent's own cost on this tiny model (a few ms a step) is the ratio while the
+    # collector is up; the outage must add nothing to it.
+    ratio, ratio_up = slowdown(down_watched, down_bare), slowdown(up_watched, up_bare)
+    assert ratio / ratio_up < 1.25, (ratio, ratio_up)  # loose: a shared 2-core machine
     assert max(down_watched) < 1.0, max(down_watched)  # never waits on the network
     stored = stored_run(rows, handle.client_run_id)
     assert_exactly_once(stored, STEPS)
@@ -85,7 +87,8 @@ def test_collector_sigkilled_mid_run_and_restarted(
         "sigkill mid-run",
         f"{STEPS} steps, collector (2 workers) SIGKILLed for {third} steps: "
         f"{counters['send_failures']} failed sends, {counters['batches_spooled']} batches "
-        f"spooled, step-time ratio while down {ratio:.2f}, records lost 0, duplicates 0",
+        f"spooled, step time vs a bare loop {ratio:.2f}x while down, {ratio_up:.2f}x while up "
+        f"(outage cost {ratio / ratio_up:.2f}x), records lost 0, duplicates 0",
     )
 
 
