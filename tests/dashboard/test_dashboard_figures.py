@@ -122,6 +122,21 @@ def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, An
     assert figure.layout.yaxis.autorange == "reversed"  # first layer on top
 
 
+def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
+    layers = [f"blocks.{i}.weight" for i in range(200)]
+    matrix = LayerMatrix.from_json(
+        {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0] * 200]}
+    )
+    figure = figures.layer_heatmap(matrix)
+    assert list(figure.data[0].y) == layers  # hover names every row
+    ticks = list(figure.layout.yaxis.tickvals)
+    assert len(ticks) == 50 and ticks[:2] == ["blocks.0.weight", "blocks.4.weight"]
+    assert list(figure.layout.yaxis.ticktext) == ticks
+    short = figures.layer_heatmap(LayerMatrix.from_json(
+        {"stat": "zero_fraction", "layers": layers[:3], "steps": [1], "values": [[0.0] * 3]}))
+    assert short.layout.yaxis.tickvals is None  # a short one labels every row itself
+
+
 def test_heatmap_tolerates_short_rows() -> None:
     matrix = LayerMatrix.from_json(
         {
