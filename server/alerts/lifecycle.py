@@ -196,17 +196,14 @@ class Tracker:
 
     def clear(self, rule: str, step: int, *, layer: str = "") -> None:
         """The condition of (`rule`, `layer`) does not hold at `step`."""
-        key = (rule, layer)
-        alert = self.open.get(key)
+        alert = self.open.get((rule, layer))
         if alert is None:
             return
-        if alert.status == "pending":
-            self._drop(key, alert)
-            return
-        since = self.clear_since.setdefault(f"{rule}|{layer}", step)
-        resolve_steps = int(getattr(self.settings[rule], "resolve_steps", 0))
-        if step - since >= resolve_steps:
-            self.resolve(rule, step, layer=layer)
+        if alert.status != "pending":  # a pending one goes at once (`resolve` drops it)
+            since = self.clear_since.setdefault(f"{rule}|{layer}", step)
+            if step - since < int(getattr(self.settings[rule], "resolve_steps", 0)):
+                return
+        self.resolve(rule, step, layer=layer)
 
     def resolve(self, rule: str, step: int, *, layer: str = "") -> None:
         """Resolve (`rule`, `layer`) now, whatever its hysteresis: the cause is gone."""

@@ -12,9 +12,11 @@ from typing import Any
 
 import httpx
 import pytest
+from alert_feed import Feed
 from sqlalchemy import func, select
 
-from ampwatch.server.db import make_engine
+from ampwatch.server import migrate
+from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.models import Base
 
 
@@ -46,4 +48,13 @@ def count_rows(collector: Any) -> Iterator[Callable[[], dict[str, int]]]:
             }
 
     yield counts
+    engine.dispose()
+
+
+@pytest.fixture
+def feed(db_url: str) -> Iterator[Feed]:
+    """Wire batches fed through ingest and the alert engine on a fresh, migrated database."""
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    yield Feed(make_sessionmaker(engine))
     engine.dispose()

@@ -3,7 +3,6 @@ late and retried batches, several ranks, per-run settings, and the `no_data` swe
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from datetime import timedelta
 from typing import Any
 
@@ -12,18 +11,9 @@ from alert_feed import Feed, healthy, layer_sample
 from sqlalchemy import event, func, select
 from wire_batches import step_record
 
-from ampwatch.server import lifecycle, migrate
+from ampwatch.server import lifecycle
 from ampwatch.server.alerts import evaluate, sweep
-from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.models import AlertConfig, Notification, Step, Webhook
-
-
-@pytest.fixture
-def feed(db_url: str) -> Iterator[Feed]:
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
-    yield Feed(make_sessionmaker(engine))
-    engine.dispose()
 
 
 def configure(feed: Feed, rules: dict[str, dict[str, Any]]) -> None:

@@ -4,22 +4,10 @@ and stays quiet on the healthy pattern next to it; fed through `ingest_batch`.""
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator
 
 import pytest
 from alert_feed import Feed, calibration, finding, healthy, layer_sample
 from wire_batches import step_record
-
-from ampwatch.server import migrate
-from ampwatch.server.db import make_engine, make_sessionmaker
-
-
-@pytest.fixture
-def feed(db_url: str) -> Iterator[Feed]:
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
-    yield Feed(make_sessionmaker(engine))
-    engine.dispose()
 
 
 def halving_skips(first: int, count: int, scale: float) -> list:
