@@ -53,8 +53,12 @@ ZERO_FRACTION_COLORSCALE: list[list[float | str]] = [
     [1.0, FROZEN_COLOR],
 ]
 
+# No automargin: it makes plotly.js lay every chart out twice (measure the labels, grow the
+# margin, draw again), 10-200 ms a chart. Step charts' tick labels fit the fixed margins;
+# charts labelled with names size their margin from the names (`label_margin`). Labels
+# may overflow the plot ("allow"), so plotly.js does not measure each against it.
 _GRID = {"gridcolor": "#EBF0F8", "zerolinecolor": "#EBF0F8", "linecolor": "#EBF0F8",
-         "automargin": True}
+         "automargin": False, "ticklabeloverflow": "allow"}
 #: plotly_white's look in a few keys: the full template is ~9 KB in every figure's JSON
 #: and a deep copy in every figure built (a fifth of the run page's render time).
 TEMPLATE = {
@@ -70,10 +74,11 @@ TEMPLATE = {
     }
 }
 
+# The legend sits between the title and the plot; the top margin leaves room for both.
+MARGIN = {"l": 70, "r": 30, "t": 90, "b": 50}
 _BASE_LAYOUT = {
     "template": TEMPLATE,
-    # The legend sits between the title and the plot; the top margin leaves room for both.
-    "margin": {"l": 70, "r": 30, "t": 90, "b": 50},
+    "margin": MARGIN,
     "legend": {"orientation": "h", "yanchor": "bottom", "y": 1.02, "x": 0},
     "hovermode": "x unified",
     # The page rebuilds figures every refresh; a constant uirevision keeps the user's zoom,
@@ -264,6 +269,7 @@ def loss_scale_figure(
         "line": {"dash": "dash", "color": "#888888", "width": 1},
     }]
     annotations: list[dict[str, Any]] = []
+    line: dict[str, Any]
     for step, verdict in sorted((checkpoints or {}).items()):
         if verdict == RECOMMENDED:
             line, text, color = {"width": 3}, "restart here", CHECKPOINT_COLOR
@@ -416,7 +422,7 @@ def activation_norm_figure(
         return empty_figure(title, "No final-layer activation norm reported for this run yet.")
     steps = plot_steps(series.step)
     low, high = baseline_band(maxima)
-    data = [
+    data: list[dict[str, Any]] = [
         {"type": "scatter", "x": steps, "y": low, "mode": "lines", "line": {"width": 0},
          "showlegend": False, "hoverinfo": "skip", "name": "baseline low"},
         {"type": "scatter", "x": steps, "y": high, "mode": "lines", "line": {"width": 0},
@@ -479,8 +485,8 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
         "height": min(max(320, 160 + 22 * len(matrix.layers)), 1400),
         "hovermode": "closest",
         "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
-        "yaxis": {"title": {"text": "layer"}, "autorange": "reversed", "automargin": True,
-                  **row_ticks(matrix.layers)},
+        "yaxis": {"autorange": "reversed", **row_ticks(matrix.layers)},
+        "margin": {**MARGIN, "l": label_margin(matrix.layers)},
     })
 
 
@@ -488,18 +494,42 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
 HEATMAP_ROW_LABELS = 50
 
 
-def row_ticks(layers: Sequence[str], most: int = HEATMAP_ROW_LABELS) -> dict[str, Any]:
-    """Tick settings labelling at most `most` evenly spaced rows: plotly.js measures every
-    label it lays out (and lays the axis out again for automargin), which made a 200-row
-    heatmap the slowest chart of the run page's first render.
+#: Row labels are cut (from the left: a layer's name ends in what tells it apart) to this
+#: many characters, and the left margin is sized to the longest label within it.
+LABEL_CHARS = 48
+#: Pixels a character of plotly's default 12 px font takes, rounded up.
+CHAR_PX = 7
+
+
+def short_label(label: str, most: int = LABEL_CHARS) -> str:
+    """`label` cut from the left to `most` characters.
+
+    >>> short_label("model.decoder.layers.23.self_attn.out_proj.weight", 24)
+    '…lf_attn.out_proj.weight'
+    """
+    return label if len(label) <= most else "…" + label[len(label) - most + 1:]
+
+
+def label_margin(labels: Sequence[str]) -> int:
+    """A left margin (px) that fits the longest row label, as cut by `short_label`.
+
+    >>> label_margin(["fc1.weight", "fc2.weight"])
+    90
+    """
+    longest = max((len(short_label(label)) for label in labels), default=0)
+    return max(MARGIN["l"], 20 + CHAR_PX * longest)
+
+
+def row_ticks(rows: Sequence[str], most: int = HEATMAP_ROW_LABELS) -> dict[str, Any]:
+    """Tick settings labelling at most `most` evenly spaced rows, each cut by
+    `short_label`: plotly.js measures every label it lays out, which made a 200-row heatmap
+    the slowest chart of the run page's first render. Hover still names every row in full.
 
     >>> row_ticks(["a", "b", "c"], most=2)
     {'tickmode': 'array', 'tickvals': ['a', 'c'], 'ticktext': ['a', 'c']}
     """
-    if len(layers) <= most:
-        return {}
-    shown = list(layers[:: -(-len(layers) // most)])
-    return {"tickmode": "array", "tickvals": shown, "ticktext": shown}
+    shown = list(rows[:: max(1, -(-len(rows) // most))])
+    return {"tickmode": "array", "tickvals": shown, "ticktext": [short_label(r) for r in shown]}
 
 
 def alert_label(alert: Alert) -> str:
@@ -545,12 +575,13 @@ def alerts_timeline_figure(
             "marker": {"symbol": "diamond", "size": 10, "color": "#111827"},
             "hovertemplate": "fired at step %{x}<extra></extra>",
         })
-    rows = len({alert_label(a) for a in alerts})
+    rows = list(dict.fromkeys(alert_label(a) for a in alerts))
     return figure_of(data, {
-        "title": _title(title, note or None), "height": 140 + 36 * rows, "barmode": "overlay",
-        "hovermode": "closest", "margin": {"l": 70, "r": 30, "t": 80, "b": 50},
+        "title": _title(title, note or None), "height": 140 + 36 * len(rows),
+        "barmode": "overlay", "hovermode": "closest",
+        "margin": {"l": label_margin(rows), "r": 30, "t": 80, "b": 50},
         "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
-        "yaxis": {"automargin": True, "autorange": "reversed"},
+        "yaxis": {"autorange": "reversed", **row_ticks(rows, most=len(rows))},
     })
 
 

@@ -134,7 +134,24 @@ def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
     assert list(figure.layout.yaxis.ticktext) == ticks
     short = figures.layer_heatmap(LayerMatrix.from_json(
         {"stat": "zero_fraction", "layers": layers[:3], "steps": [1], "values": [[0.0] * 3]}))
-    assert short.layout.yaxis.tickvals is None  # a short one labels every row itself
+    assert list(short.layout.yaxis.tickvals) == layers[:3]  # a short one labels every row
+
+
+def test_row_labels_are_cut_from_the_left_and_the_margin_fits_them() -> None:
+    """No automargin (a second layout pass in plotly.js): the margin is sized from the
+    names, and a name too long for it keeps its distinguishing end."""
+    long = "model.decoder.layers.23.self_attn.out_proj." + "x" * 40 + ".weight"
+    layers = ["fc1.weight", long]
+    figure = figures.layer_heatmap(LayerMatrix.from_json(
+        {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0, 0.0]]}))
+    text = list(figure.layout.yaxis.ticktext)
+    assert text[0] == "fc1.weight"
+    assert len(text[1]) == figures.LABEL_CHARS and text[1].startswith("…")
+    assert text[1].endswith("x.weight") and long.endswith(text[1][1:])
+    assert figure.layout.margin.l == 20 + figures.CHAR_PX * figures.LABEL_CHARS
+    assert list(figure.data[0].y) == layers  # hover keeps the full name
+    assert figures.label_margin(["a"]) == 70  # never narrower than the step charts'
+    assert not figure.layout.template.layout.yaxis.automargin
 
 
 def test_heatmap_tolerates_short_rows() -> None:
