@@ -58,6 +58,9 @@ HEATMAP_OPTIONS = [
     {"label": "FP16-subnormal share", "value": "subnormal_fraction"},
     {"label": "flush-to-zero forecast", "value": "flush_fraction"},
 ]
+#: Layers the "open a layer" dropdown offers at once: the first ones, or those matching
+#: what is typed into it.
+LAYER_OPTIONS = 30
 #: Alerts drawn (timeline rows and explanations); the others are counted per rule.
 SHOWN_ALERTS = 30
 #: Heatmap cells kept in the browser's store to this many decimals (shares in [0, 1]).
@@ -68,13 +71,15 @@ X_RANGE_KEY = re.compile(r"^xaxis\d*\.range(\[[01]\])?$")
 X_AUTORANGE_KEY = re.compile(r"^xaxis\d*\.autorange$")
 
 
-def layout(run_id: int = 0, client: CollectorClient | None = None, **_kwargs: Any
-           ) -> html.Div:
-    """The page, drawn with the run's data when `client` is given: the first render needs
-    no callback round trip (fetch, then render) after the router's."""
-    data = fetch_run_data(client, run_id) if client is not None else None
+def layout(run_id: int = 0, client: CollectorClient | None = None,
+           data: dict[str, Any] | None = None, **_kwargs: Any) -> html.Div:
+    """The page, drawn with the run's data -- `data` as `fetch_run_data` returns it, or
+    read through `client` -- so the first render needs no callback round trip (fetch,
+    then render) after the router's."""
+    if data is None and client is not None:
+        data = fetch_run_data(client, run_id)
     (header, loss_scale, skip_rate, grad_norm, activation, heatmap, alerts, alert_items,
-     checkpoints, layer_options, style) = render_run(data)
+     checkpoints, style) = render_run(data)
 
     def graph(graph_id: str, figure: go.Figure) -> dcc.Graph:
         return dcc.Graph(id=graph_id, figure=figure, config=GRAPH_CONFIG)
@@ -101,7 +106,7 @@ def layout(run_id: int = 0, client: CollectorClient | None = None, **_kwargs: An
                             dcc.RadioItems(id=ids.HEATMAP_STAT, options=HEATMAP_OPTIONS,
                                            value="zero_fraction", inline=True),
                             dcc.Dropdown(id=ids.RUN_LAYER_PICK, placeholder="open a layer…",
-                                         clearable=True, options=layer_options),
+                                         clearable=True),
                         ],
                         className="controls",
                     ),
@@ -438,8 +443,8 @@ STEP_FIGURE_TITLES = ("Loss scale and loss", "Skip rate", "Gradient norm",
 
 
 def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) -> RunView:
-    """Header, the six figures, alert list, checkpoint table, layer options and the graphs'
-    style from the stores' content.
+    """Header, the six figures, alert list, checkpoint table and the graphs' style from the
+    stores' content.
 
     Before the first fetch (`data` is None) the graphs say they are loading under the
     layout's "Run <id>" heading; after a failed fetch the header says why and the graphs
@@ -447,10 +452,10 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     """
     if data is None:
         loading = [figures.empty_figure(title, "Loading…") for title in STEP_FIGURE_TITLES]
-        return (dash.no_update, *loading, None, None, [], {})
+        return (dash.no_update, *loading, None, None, {})
     if "error" in data:
         blank = [go.Figure() for _ in STEP_FIGURE_TITLES]
-        return (html.P(data["error"], className="error"), *blank, None, None, [], HIDDEN)
+        return (html.P(data["error"], className="error"), *blank, None, None, HIDDEN)
     zoomed = zoom is not None and "error" not in zoom
     source = zoom if zoomed else data
     assert source is not None
@@ -468,7 +473,6 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     else:
         checkpoints = {e.step: "" for e in events if e.kind == "checkpoint" and e.step is not None}
     run = RunSummary.from_json(data["run"])
-    layers = data.get("layers") or []
     return (
         run_header(run),
         figures.loss_scale_figure(steps, checkpoints=checkpoints, alerts=alerts or (),
@@ -482,7 +486,6 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
                                        note=hidden_note(hidden)),
         alerts_list(alerts, hidden),
         checkpoints_table(advice, events),
-        [{"label": name, "value": name} for name in layers],
         {},
     )
 
@@ -539,7 +542,6 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
         Output(ids.ALERTS_GRAPH, "figure"),
         Output(ids.ALERTS_LIST, "children"),
         Output(ids.CHECKPOINTS_TABLE, "children"),
-        Output(ids.RUN_LAYER_PICK, "options"),
         Output(ids.RUN_GRAPHS, "style"),
         Input(ids.RUN_DATA, "data"),
         Input(ids.RUN_ZOOM, "data"),
@@ -549,6 +551,20 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
         if ctx.triggered_id is None and data:
             raise PreventUpdate  # the layout already shows this data
         return render_run(data, zoom)
+
+    # In the browser, from the store's layer names: the dropdown indexes every option it is
+    # given for its search when it mounts, 300 ms of the first render for 500 layers.
+    app.clientside_callback(  # type: ignore[no-untyped-call]
+        f"""function (search, data) {{
+            const needle = (search || "").toLowerCase();
+            return ((data && data.layers) || [])
+                .filter(name => name.toLowerCase().includes(needle))
+                .slice(0, {LAYER_OPTIONS}).map(name => ({{label: name, value: name}}));
+        }}""",
+        Output(ids.RUN_LAYER_PICK, "options"),
+        Input(ids.RUN_LAYER_PICK, "search_value"),
+        Input(ids.RUN_DATA, "data"),
+    )
 
     @app.callback(
         Output(ids.URL, "href"),

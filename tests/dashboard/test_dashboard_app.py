@@ -392,7 +392,7 @@ def test_mounted_in_fastapi_with_a2wsgi_serves_under_the_prefix() -> None:
 
 
 def test_before_the_first_fetch_the_graphs_say_loading() -> None:
-    header, *graphs, _alerts, _checkpoints, _options, style = render_run(None)
+    header, *graphs, _alerts, _checkpoints, style = render_run(None)
     assert header is dash.no_update  # the layout's "Run <id>" heading stays
     assert [g.layout.annotations[0].text for g in graphs] == ["Loading…"] * 6
     assert style == {}

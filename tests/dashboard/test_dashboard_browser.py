@@ -20,6 +20,7 @@ from divergence_run import CHECKPOINTS, FROZEN, LAYERS, RUN_NAME, batches
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.dashboard import ids
+from ampwatch.dashboard.pages.run import HEATMAP_OPTIONS
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.serving import BackgroundCollector, bind_socket
 from ampwatch.server.settings import Settings
@@ -323,3 +324,23 @@ def test_unknown_run_says_so_without_errors(collector: str, page: Any) -> None:
     page.get_by_text("There is no run 999 on this collector.").wait_for(timeout=RENDER_TIMEOUT_MS)
     assert not page.locator(f"#{ids.RUN_GRAPHS}").is_visible()
     screenshot(page, "run-not-found.png")
+
+
+def test_layer_dropdown_searches_the_run_layers_and_opens_one(collector: str,
+                                                              page: Any) -> None:
+    """Its options come from the page's store in the browser: the typed text narrows them,
+    and a pick opens the layer's page."""
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, ids.HEATMAP_GRAPH)
+    dropdown = page.locator(f"#{ids.RUN_LAYER_PICK}")
+    dropdown.click()
+    page.keyboard.type("fc2")
+    option = page.get_by_role("option", name="blocks.2.mlp.fc2.weight")
+    option.wait_for(timeout=RENDER_TIMEOUT_MS)
+    radios = {o["label"] for o in HEATMAP_OPTIONS}  # the statistic's radio items are options too
+    offered = [o for o in page.get_by_role("option").all_inner_texts() if o not in radios]
+    assert offered and all("fc2" in name for name in offered), offered
+    assert len(offered) < len(LAYERS)
+    option.click()
+    page.wait_for_url(f"{collector}/dashboard/run/1/layer/blocks.2.mlp.fc2.weight")
+    wait_for_graphs(page, ids.LAYER_SERIES_GRAPH)
