@@ -6,6 +6,6 @@ COPY agent agent
 COPY server server
 COPY dashboard dashboard
 COPY alembic alembic
-RUN pip install --no-cache-dir ".[server,postgres]"
+RUN pip install --no-cache-dir ".[server,postgres]" && (ampwatch fetch-plotly || true)
 EXPOSE 8765 8050
 CMD ["ampwatch", "serve", "--host", "0.0.0.0"]

@@ -21,17 +21,39 @@ from typing import Any
 from urllib.parse import unquote
 
 import dash
+import flask
 import httpx
 from dash import Input, Output, State, dcc, html
 
-from ampwatch.dashboard import ids
+from ampwatch.dashboard import ids, plotly_bundle
 from ampwatch.dashboard.client import CollectorClient
 from ampwatch.dashboard.pages import compare, layer, run, runs
+from ampwatch.dashboard.prefetch import Prefetcher
 from ampwatch.dashboard.urls import compare_path, href, page_path, query_ints
 
 RUN_PATH = re.compile(r"^run/(\d+)$")
 LAYER_PATH = re.compile(r"^run/(\d+)/layer/(.+)$")
 PAGES = (runs, run, layer, compare)
+#: Served with a year's cache: the name carries the version.
+BUNDLE_ROUTE = f"_ampwatch/plotly-cartesian-{plotly_bundle.VERSION}.min.js"
+# Starts loading plotly.js when the first callback request goes out (a renderer hook), so
+# parsing it overlaps the server's work on that request instead of following it. While it
+# loads, `window.Plotly` is a promise: dcc.Graph waits on whatever `window.Plotly` holds
+# (`Promise.resolve(window.Plotly || <load it>)`), and the bundle replaces the promise with
+# itself when it runs.
+PLOTLY_LOADER = """<script>
+function ampwatchLoadPlotly() {
+  if (window.Plotly) return;
+  window.Plotly = new Promise(function (resolve, reject) {
+    var script = document.createElement("script");
+    script.src = "%s";
+    script.onload = resolve;
+    script.onerror = reject;
+    document.head.appendChild(script);
+  });
+}
+</script>
+"""
 
 # Inline, so the package ships no assets folder that an install could forget.
 INDEX_STRING = """<!DOCTYPE html>
@@ -110,14 +132,34 @@ def create_dash_app(
     to a collector that requires one.
     """
     client = CollectorClient(api_url, transport=transport, token=token)
+    bundle = plotly_bundle.cartesian_bundle()
+    plotly_url = requests_pathname_prefix + (
+        BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js")
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
         routes_pathname_prefix="/",
         title="ampwatch",
         update_title="",  # keep the tab title steady while the page refreshes
-        index_string=INDEX_STRING,
+        index_string=INDEX_STRING.replace("</head>", PLOTLY_LOADER % plotly_url + "</head>"),
+        hooks={"request_pre": "ampwatchLoadPlotly"},
     )
+    # A run page's data is read while its HTML's scripts load (`prefetch`); the router
+    # callback takes it. Flask's request.path is the path below the mount's prefix.
+    prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
+        lambda run_id: run.fetch_run_data(client, run_id))
+
+    def prefetch() -> None:
+        if flask.request.method == "GET" and (
+                match := RUN_PATH.match(flask.request.path.lstrip("/"))):
+            prefetcher.start(int(match.group(1)))
+
+    app.server.before_request(prefetch)
+
+    if bundle:
+        app.server.add_url_rule(
+            f"/{BUNDLE_ROUTE}", "plotly_bundle",
+            lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000))
     shell = html.Div(
         [
             # callback-nav: a callback that sets the URL (heatmap click → layer page)
@@ -146,7 +188,8 @@ def create_dash_app(
         if path == "":
             return runs.layout()
         if match := RUN_PATH.match(path):
-            return run.layout(run_id=int(match.group(1)), client=client)
+            run_id = int(match.group(1))
+            return run.layout(run_id=run_id, client=client, data=prefetcher.take(run_id))
         if match := LAYER_PATH.match(path):
             steps = query_ints(search, "step")
             return layer.layout(run_id=int(match.group(1)), layer=unquote(match.group(2)),

@@ -12,6 +12,7 @@ import json
 import os
 import sys
 from collections.abc import Sequence
+from pathlib import Path
 
 import httpx
 
@@ -45,9 +46,9 @@ def _collector_is_up(url: str) -> bool:
 
 
 def cmd_serve(args: argparse.Namespace) -> int:
-    from ampwatch.server.serving import serve
-
     from sqlalchemy.engine import make_url
+
+    from ampwatch.server.serving import serve
 
     settings = _settings(args)
     dashboard = f"dashboard {settings.public_url}/dashboard/" if settings.dashboard else (
@@ -110,6 +111,20 @@ def cmd_db(args: argparse.Namespace) -> int:
 
     database = make_url(settings.database_url).render_as_string(hide_password=True)
     print(f"database {database}: {args.action} done")
+    return 0
+
+
+def cmd_fetch_plotly(args: argparse.Namespace) -> int:
+    from ampwatch.dashboard import plotly_bundle
+
+    folder = Path(args.dir) if args.dir else None
+    try:
+        path = plotly_bundle.fetch(folder)
+    except (httpx.HTTPError, ValueError, OSError) as exc:
+        print(f"could not fetch plotly.js's cartesian bundle ({exc}); the dashboard serves "
+              "the full bundle instead", file=sys.stderr)
+        return 1
+    print(f"plotly.js {plotly_bundle.VERSION} cartesian bundle: {path}")
     return 0
 
 
@@ -342,6 +357,16 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("revision", nargs="?", help="target revision (upgrade: head; downgrade: base)")
     db.add_argument("--database-url", help="SQLAlchemy URL (AMPWATCH_DATABASE_URL)")
     db.set_defaults(func=cmd_db)
+
+    fetch = sub.add_parser(
+        "fetch-plotly",
+        help="download plotly.js's cartesian bundle (npm) that makes the dashboard load faster",
+        description="The dashboard serves it instead of the full 4.8 MB plotly.js when present; "
+        "the download is checked against a pinned sha512.",
+    )
+    fetch.add_argument("--dir", help="where to store it (AMPWATCH_ASSETS_DIR, default "
+                       "<python prefix>/share/ampwatch)")
+    fetch.set_defaults(func=cmd_fetch_plotly)
 
     token = sub.add_parser("token", help="API tokens: create, list, revoke")
     token_sub = token.add_subparsers(dest="action", required=True)
