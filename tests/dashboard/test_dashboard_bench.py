@@ -26,4 +26,4 @@ def test_dashboard_bench_quick_runs_and_reports() -> None:
     assert done.returncode in (0, 1), done.stderr[-2000:]
     assert "Traceback" not in done.stderr
     assert "first render median" in done.stdout and "bytes" in done.stdout, done.stdout
-    assert "startup floor" in done.stdout, done.stdout
+    assert "startup floor" in done.stdout and "runs list" in done.stdout, done.stdout
