@@ -550,7 +550,7 @@ def alerts_timeline_figure(
     if not alerts:
         return empty_figure(title, "No alert has fired for this run.")
     data: list[dict[str, Any]] = []
-    for severity in SEVERITY_COLORS:
+    for severity, color in SEVERITY_COLORS.items():
         chosen = [a for a in alerts if a.severity == severity]
         if not chosen:
             continue
@@ -562,7 +562,7 @@ def alerts_timeline_figure(
             "type": "bar", "orientation": "h", "base": starts,
             "x": [max(end - start, 1) for start, end in zip(starts, ends, strict=True)],
             "y": [alert_label(a) for a in chosen], "name": severity,
-            "marker": {"color": SEVERITY_COLORS[severity],
+            "marker": {"color": color,
                        "opacity": [0.35 if a.status == "pending" else 0.85 for a in chosen]},
             "customdata": [[a.status, a.message] for a in chosen],
             "hovertemplate": "%{y}<br>%{customdata[0]}: %{customdata[1]}<extra></extra>",
@@ -579,7 +579,7 @@ def alerts_timeline_figure(
     return figure_of(data, {
         "title": _title(title, note or None), "height": 140 + 36 * len(rows),
         "barmode": "overlay", "hovermode": "closest",
-        "margin": {"l": label_margin(rows), "r": 30, "t": 80, "b": 50},
+        "margin": {**MARGIN, "t": 80, "l": label_margin(rows)},
         "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
         "yaxis": {"autorange": "reversed", **row_ticks(rows, most=len(rows))},
     })

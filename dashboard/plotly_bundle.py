@@ -70,9 +70,9 @@ def cartesian_bundle(folder: Path | None = None) -> Path | None:
         log.info("plotly.js cartesian bundle not fetched (%s); serving the full 4.8 MB "
                  "bundle: `ampwatch fetch-plotly` makes the dashboard load faster", path)
         return None
-    if plotlyjs_version() != VERSION:
+    if (targeted := plotlyjs_version()) != VERSION:
         log.warning("the plotly package targets plotly.js %s, the fetched bundle is %s; "
-                    "serving the full bundle", plotlyjs_version(), VERSION)
+                    "serving the full bundle", targeted, VERSION)
         return None
     return path
 
@@ -97,13 +97,9 @@ def fetch(folder: Path | None = None, *, url: str = TARBALL, integrity: str = IN
     response.raise_for_status()
     verify(response.content, integrity)
     with tarfile.open(fileobj=io.BytesIO(response.content), mode="r:gz") as archive:
-        try:
-            member = archive.extractfile(MEMBER)
-        except KeyError:
-            member = None
-        if member is None:
+        if MEMBER not in archive.getnames():
             raise ValueError(f"{url} holds no {MEMBER}")
-        script = member.read()
+        script = archive.extractfile(MEMBER).read()  # type: ignore[union-attr]
     path.parent.mkdir(parents=True, exist_ok=True)
     partial = path.with_suffix(".part")
     partial.write_bytes(script)
