@@ -13,8 +13,8 @@ round, so nothing is cached. "Rendered": every chart of the page holds plotted d
 Printed per round and as medians: milliseconds from navigation start to the rendered page
 (cold; then again with the scripts cached; and from a click on the run in the runs list,
 the dashboard already running),
-the bytes of the dashboard's data responses (`_dash-update-component`: the fetched series
-and the figures), and the bytes of the page's scripts and styles (the Dash and Plotly
+the bytes of the dashboard's data responses (`_dash-layout`, which holds the page of a
+visit by URL, and `_dash-update-component`: the fetched series and the figures), and the bytes of the page's scripts and styles (the Dash and Plotly
 bundles, cached by a browser after the first visit). Also the startup floor: the same
 cold visit of a page with one empty chart (Dash and plotly.js alone), measured in the same
 rounds, so a loaded machine's figure can be read against it.
@@ -65,7 +65,7 @@ def startup_floor(browser: Any, url: str) -> float:
 #: (kind, bytes) of each response the page fetched, from the browser's resource timing:
 #: read after the render, so measuring sizes does not slow the render being measured.
 SIZES = """() => performance.getEntriesByType('resource').map(e => [
-    e.name.includes('/_dash-update-component') ? 'data'
+    e.name.includes('/_dash-update-component') || e.name.includes('/_dash-layout') ? 'data'
         : (e.name.includes('/_dash-component-suites/') || e.name.includes('/_ampwatch/'))
         ? 'assets' : 'other',
     e.encodedBodySize])"""

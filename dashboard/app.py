@@ -1,7 +1,8 @@
 """Builds the Dash app: a shell with a `dcc.Location` router over the pages in `pages/`.
 
 Pages: `/` runs overview, `/run/<id>` a run, `/run/<id>/layer/<name>` one layer,
-`/compare?runs=1,2` runs overlaid.
+`/compare?runs=1,2` runs overlaid. A visit by URL (a bookmark, an alert's link) gets its
+page inside the initial layout; in-app navigation goes through the router callback.
 
 Why not Dash's `use_pages`: `dash.register_page` writes to one process-wide registry
 (`dash.page_registry`), so two apps in one process (the tests make many; a collector could
@@ -16,9 +17,10 @@ on its own app instance with `app.callback`, never on the global `dash.callback`
 
 from __future__ import annotations
 
+import logging
 import re
 from typing import Any
-from urllib.parse import unquote
+from urllib.parse import unquote, urlsplit
 
 import dash
 import flask
@@ -31,16 +33,18 @@ from ampwatch.dashboard.pages import compare, layer, run, runs
 from ampwatch.dashboard.prefetch import Prefetcher
 from ampwatch.dashboard.urls import compare_path, href, page_path, query_ints
 
+log = logging.getLogger(__name__)
+
 RUN_PATH = re.compile(r"^run/(\d+)$")
 LAYER_PATH = re.compile(r"^run/(\d+)/layer/(.+)$")
 PAGES = (runs, run, layer, compare)
 #: Served with a year's cache: the name carries the version.
 BUNDLE_ROUTE = f"_ampwatch/plotly-cartesian-{plotly_bundle.VERSION}.min.js"
-# Starts loading plotly.js when the first callback request goes out (a renderer hook), so
-# parsing it overlaps the server's work on that request instead of following it. While it
-# loads, `window.Plotly` is a promise: dcc.Graph waits on whatever `window.Plotly` holds
-# (`Promise.resolve(window.Plotly || <load it>)`), and the bundle replaces the promise with
-# itself when it runs.
+# Loads plotly.js right after the Dash renderer has started (its layout request is out), so
+# the download and V8's off-thread compile overlap the server's work on the page; earlier,
+# at page start, it competed with Dash's own scripts. While it loads, `window.Plotly` is a
+# promise: dcc.Graph waits on whatever `window.Plotly` holds (`Promise.resolve(
+# window.Plotly || <load it>)`), and the bundle replaces the promise with itself when it runs.
 PLOTLY_LOADER = """<script>
 function ampwatchLoadPlotly() {
   if (window.Plotly) return;
@@ -111,7 +115,7 @@ tr.candidate-rejected { color: #6b7280; }
 </head>
 <body>
 {%app_entry%}
-<footer>{%config%}{%scripts%}{%renderer%}</footer>
+<footer>{%config%}{%scripts%}{%renderer%}<script>ampwatchLoadPlotly()</script></footer>
 </body>
 </html>"""
 
@@ -142,7 +146,6 @@ def create_dash_app(
         title="ampwatch",
         update_title="",  # keep the tab title steady while the page refreshes
         index_string=INDEX_STRING.replace("</head>", PLOTLY_LOADER % plotly_url + "</head>"),
-        hooks={"request_pre": "ampwatchLoadPlotly"},
     )
     # A run page's data is read while its HTML's scripts load (`prefetch`); the router
     # callback takes it. Flask's request.path is the path below the mount's prefix.
@@ -160,30 +163,8 @@ def create_dash_app(
         app.server.add_url_rule(
             f"/{BUNDLE_ROUTE}", "plotly_bundle",
             lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000))
-    shell = html.Div(
-        [
-            # callback-nav: a callback that sets the URL (heatmap click → layer page)
-            # navigates inside the app instead of reloading it.
-            dcc.Location(id=ids.URL, refresh="callback-nav"),
-            html.Nav(
-                [dcc.Link("ampwatch", href=href(app, "/")),
-                 dcc.Link("compare", href=href(app, compare_path([])), className="nav")],
-                className="topbar",
-            ),
-            html.Main(id=ids.PAGE, className="content"),
-        ]
-    )
-    app.layout = shell
-    # Callbacks target ids that exist only once their page is shown; the validation
-    # layout lists every page so Dash still checks each id instead of suppressing errors.
-    # (Dash annotates `validation_layout` as None, though it documents a component.)
-    app.validation_layout = html.Div(  # type: ignore[assignment]
-        [shell, *(page.layout() for page in PAGES)]
-    )
-
-    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"),
-                  State(ids.URL, "search"))
-    def route(pathname: str | None, search: str | None) -> Any:
+    def page_at(pathname: str | None, search: str | None) -> Any:
+        """The page at browser path `pathname` with query `search`."""
         path = page_path(app, pathname)
         if path == "":
             return runs.layout()
@@ -203,6 +184,62 @@ def create_dash_app(
                 dcc.Link("All runs", href=href(app, "/")),
             ]
         )
+
+    def shell(url: str | None = None) -> html.Div:
+        """The app's frame, holding the page at browser URL `url` (None: empty, and the
+        router fills it once the `dcc.Location` has read the browser's URL)."""
+        # callback-nav: a callback that sets the URL (heatmap click → layer page)
+        # navigates inside the app instead of reloading it.
+        location = dcc.Location(id=ids.URL, refresh="callback-nav")
+        content = None
+        if url is not None:
+            parts = urlsplit(url)
+            search = f"?{parts.query}" if parts.query else ""
+            # All four set as the browser has them, so the Location's mount changes
+            # nothing and the router does not run again for the page already here.
+            location = dcc.Location(id=ids.URL, refresh="callback-nav", pathname=parts.path,
+                                    search=search, hash="", href=url)
+            content = page_at(parts.path, search)
+        return html.Div(
+            [
+                location,
+                html.Nav(
+                    [dcc.Link("ampwatch", href=href(app, "/")),
+                     dcc.Link("compare", href=href(app, compare_path([])), className="nav")],
+                    className="topbar",
+                ),
+                html.Main(id=ids.PAGE, className="content", children=content),
+            ]
+        )
+
+    def initial_layout() -> html.Div:
+        """What `_dash-layout` serves. The browser sends that request with the page's URL
+        as its Referer (same-origin), so the page comes with the layout: the first render
+        skips a router round trip (~200 ms of idle browser). Without a Referer of this
+        app (a stripping proxy), the frame comes empty and the router fills it."""
+        referrer = flask.request.referrer if flask.has_request_context() else None
+        prefix = app.config.requests_pathname_prefix
+        if referrer and urlsplit(referrer).path.startswith(prefix):
+            try:
+                return shell(referrer)
+            except Exception:  # a page's bug must not take the whole app down with it
+                log.exception("drawing %s into the initial layout failed; the router "
+                              "will draw it", referrer)
+        return shell()
+
+    # Callbacks target ids that exist only once their page is shown; the validation
+    # layout lists every page so Dash still checks each id instead of suppressing errors.
+    # (Dash annotates `validation_layout` as None, though it documents a component.)
+    # Set before the layout: Dash would otherwise call the layout function to make one.
+    app.validation_layout = html.Div(  # type: ignore[assignment]
+        [shell(), *(page.layout() for page in PAGES)]
+    )
+    app.layout = initial_layout
+
+    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"),
+                  State(ids.URL, "search"), prevent_initial_call=True)
+    def route(pathname: str | None, search: str | None) -> Any:
+        return page_at(pathname, search)
 
     for page in PAGES:
         page.register_callbacks(app, client)

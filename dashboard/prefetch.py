@@ -1,9 +1,9 @@
 """Reads a page's data while the browser is still loading the dashboard's scripts.
 
 Why: a visit to `/run/<id>` by its URL (a bookmark, an alert's link) first downloads and
-runs ~2.5 MB of Dash and plotly.js, then asks the router callback for the page, and only
-then would the server start the page's seven API reads. Started when the HTML is served,
-the reads overlap the script loading, and the router callback takes their result. A
+runs Dash's scripts, then asks for the app's layout (which holds the page), and only then
+would the server start the page's seven API reads. Started when the HTML is served, the
+reads overlap the script loading, and the page's layout takes their result. A
 visit by an in-app link (scripts already running) never prefetches: it has nothing to
 overlap.
 

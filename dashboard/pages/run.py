@@ -6,8 +6,8 @@ baseline band; a layers × steps heatmap (zero-gradient fraction, FP16-subnormal
 flush-to-zero forecast; click a row for the layer's page); the alerts as a timeline with
 their explanations; the checkpoints with the restart advisor's verdicts.
 
-Data flow: the router draws the page with its data (`layout(run_id, client)`), then
-three callbacks:
+Data flow: the page comes drawn with its data (`layout(run_id, client)`, in the app's
+initial layout or from the router), then three callbacks:
 - `fetch` (every `REFRESH_MS`): sends the server only `RUN_CURSOR` (where the stored data
   ends), and reads only steps and heatmap rows after it, appended to the `RUN_DATA` store
   (API JSON shape, so NaN survives) with a `Patch` (the browser receives the new points
@@ -75,7 +75,7 @@ def layout(run_id: int = 0, client: CollectorClient | None = None,
            data: dict[str, Any] | None = None, **_kwargs: Any) -> html.Div:
     """The page, drawn with the run's data -- `data` as `fetch_run_data` returns it, or
     read through `client` -- so the first render needs no callback round trip (fetch,
-    then render) after the router's."""
+    then render) of its own."""
     if data is None and client is not None:
         data = fetch_run_data(client, run_id)
     (header, loss_scale, skip_rate, grad_norm, activation, heatmap, alerts, alert_items,
@@ -307,7 +307,7 @@ def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | None | boo
     if len(bounds) != 2:
         return False
     low, high = sorted(float(b) for b in bounds)
-    return max(int(low), 0), int(round(high))
+    return max(int(low), 0), round(high)
 
 
 def fetch_zoom(client: CollectorClient, run_id: int, window: tuple[int, int], stat: str

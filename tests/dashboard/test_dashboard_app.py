@@ -91,6 +91,68 @@ def test_run_page_arrives_drawn_with_its_data(collector_transport: MakeTransport
     assert "Loading" not in text
 
 
+def initial_layout(app: dash.Dash, referrer: str | None) -> dict[str, Any]:
+    """`_dash-layout` as the browser asks for it: from the page, with its URL as Referer."""
+    headers = {"Referer": referrer} if referrer else {}
+    response = app.server.test_client().get("/_dash-layout", headers=headers)
+    assert response.status_code == 200, response.get_data(as_text=True)
+    layout: dict[str, Any] = json.loads(response.get_data(as_text=True))
+    return layout
+
+
+def location_and_page(layout: dict[str, Any]) -> tuple[dict[str, Any], Any]:
+    location, _nav, main = layout["props"]["children"]
+    assert location["props"]["id"] == ids.URL and main["props"]["id"] == ids.PAGE
+    return location["props"], main["props"].get("children")
+
+
+def test_a_visit_by_url_gets_its_page_inside_the_initial_layout(
+        collector_transport: MakeTransport) -> None:
+    """No router round trip for the first render: the page is in `_dash-layout`, and the
+    Location holds the browser's URL, so its mount changes nothing and the router (which
+    never runs for the initial layout) stays idle."""
+    url = "http://dash.test/dashboard/run/7"
+    location, page = location_and_page(initial_layout(make_app(collector_transport()), url))
+    assert location == {"id": ids.URL, "refresh": "callback-nav", "pathname": "/dashboard/run/7",
+                        "search": "", "hash": "", "href": url}
+    text = json.dumps(page)
+    assert '"name": "loss scale"' in text and '"type": "heatmap"' in text
+    assert "Loading" not in text
+
+    layer_url = "http://dash.test/dashboard/run/7/layer/head.weight?step=40"
+    location, page = location_and_page(initial_layout(make_app(collector_transport()),
+                                                      layer_url))
+    assert location["search"] == "?step=40"
+    assert '"layer": "head.weight"' in json.dumps(page) and '"step": 40' in json.dumps(page)
+    dependencies = make_app(collector_transport()).server.test_client().get(
+        "/_dash-dependencies").get_json()
+    (route,) = [d for d in dependencies if d["output"] == f"{ids.PAGE}.children"]
+    assert route["prevent_initial_call"] is True
+
+
+def test_without_a_referrer_of_the_app_the_router_draws_the_page(
+        collector_transport: MakeTransport) -> None:
+    """A proxy that strips Referer, or one from elsewhere: an empty frame whose Location
+    reads the URL on mount, which runs the router."""
+    for referrer in (None, "http://elsewhere.test/other/run/7"):
+        location, page = location_and_page(initial_layout(make_app(collector_transport()),
+                                                          referrer))
+        assert location == {"id": ids.URL, "refresh": "callback-nav"} and page is None
+
+
+def test_a_page_that_fails_to_draw_leaves_the_layout_to_the_router(
+        collector_transport: MakeTransport, monkeypatch: pytest.MonkeyPatch,
+        caplog: pytest.LogCaptureFixture) -> None:
+    def broken(**_kwargs: Any) -> None:
+        raise ZeroDivisionError("a bug in a page")
+
+    app = make_app(collector_transport())
+    monkeypatch.setattr(runs, "layout", broken)
+    location, page = location_and_page(initial_layout(app, "http://dash.test/dashboard/"))
+    assert page is None and "pathname" not in location  # the app still loads
+    assert "the router will draw it" in caplog.text and "a bug in a page" in caplog.text
+
+
 def runs_table(app: dash.Dash, runs_json: list[dict[str, Any]], text: str = "",
                health: str = "any", status: str = "any",
                sort: dict[str, Any] | None = None) -> str:
@@ -167,7 +229,7 @@ def test_fetch_keeps_nan_apart_from_null_in_the_store(
     assert data["steps"]["grad_norm"][2] is None
     assert math.isnan(StepSeries.from_json(data["steps"]).loss[4])  # type: ignore[arg-type]
     view = render_run(data)
-    loss_scale, skip_rate, grad_norm, activation, heatmap, alerts = view[1:7]
+    loss_scale, _skip_rate, _grad_norm, activation, heatmap, _alerts = view[1:7]
     assert [len(f.data) for f in (loss_scale, activation, heatmap)] == [4, 4, 1]
     assert view[-1] == {}
 

@@ -229,8 +229,12 @@ def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any)
     before = points_in(page, ids.LOSS_SCALE_GRAPH, low, high)
     assert before < high - low  # downsampled: fewer points than steps
 
+    # The zoom callback's answer to this relayout; not to the charts' own relayout events
+    # (autosize on first draw), which it answers with no update.
     with page.expect_response(
-        lambda r: "_dash-update-component" in r.url and ids.RUN_ZOOM in (r.request.post_data or "")
+        lambda r: "_dash-update-component" in r.url
+        and (r.request.post_data_json or {}).get("output") == f"{ids.RUN_ZOOM}.data"
+        and "xaxis.range" in (r.request.post_data or "")
     ) as answer:
         page.evaluate(
             """([id, low, high]) => Plotly.relayout(
@@ -334,7 +338,10 @@ def test_layer_dropdown_searches_the_run_layers_and_opens_one(collector: str,
     wait_for_graphs(page, ids.HEATMAP_GRAPH)
     dropdown = page.locator(f"#{ids.RUN_LAYER_PICK}")
     dropdown.click()
-    page.keyboard.type("fc2")
+    # Into its search box once it is open (typing blind could land before it is).
+    dropdown_search = page.locator(".dash-dropdown-search")
+    dropdown_search.wait_for(timeout=RENDER_TIMEOUT_MS)
+    dropdown_search.press_sequentially("fc2")
     option = page.get_by_role("option", name="blocks.2.mlp.fc2.weight")
     option.wait_for(timeout=RENDER_TIMEOUT_MS)
     radios = {o["label"] for o in HEATMAP_OPTIONS}  # the statistic's radio items are options too
