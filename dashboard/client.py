@@ -181,6 +181,7 @@ class LayerMatrix:
             "layers": self.layers,
             "steps": self.steps,
             "values": [_encode_all(row) for row in rows],
+            "step_width": self.step_width,
         }
 
 

@@ -19,6 +19,7 @@ from datetime import datetime, timezone
 from typing import Any
 
 import numpy as np
+import numpy.typing as npt
 import plotly.graph_objects as go
 
 from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
@@ -472,8 +473,9 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
     z = np.full((len(matrix.layers), len(matrix.steps)), np.nan, dtype=np.float32)
     for i, row in enumerate(matrix.values[: len(matrix.steps)]):
         z[: len(row), i] = plot_values(row[: len(matrix.layers)])
+    steps, z = bucket_grid(matrix.steps, z, matrix.step_width)
     heatmap = {
-        "type": "heatmap", "x": matrix.steps, "y": matrix.layers, "z": z,
+        "type": "heatmap", "x": steps, "y": matrix.layers, "z": z,
         "zmin": 0.0, "zmax": 1.0, "colorscale": ZERO_FRACTION_COLORSCALE,
         "colorbar": {"title": {"text": colorbar}},
         "hovertemplate": "%{y}<br>step %{x}<br>" + colorbar.replace("<br>", " ")
@@ -488,6 +490,31 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
         "yaxis": {"autorange": "reversed", **row_ticks(matrix.layers)},
         "margin": {**MARGIN, "l": label_margin(matrix.layers)},
     })
+
+
+def bucket_grid(steps: Sequence[int], z: npt.NDArray[np.float32], width: int
+                ) -> tuple[list[int], npt.NDArray[np.float32]]:
+    """Downsampled columns (`width` > 1) on their buckets' evenly spaced starts: a bucket
+    without rows gets an empty column, rows sharing a bucket (a live tail appended at
+    finer width) their maximum, as the collector merges them.
+
+    Why: plotly.js paints a heatmap whose x and y are evenly spaced as one pixel per cell,
+    scaled by the browser; otherwise it fills every cell on a full-size canvas and encodes
+    that as a PNG, which made the heatmap the costliest chart of the run page. A bucket's
+    first row rarely sits at its start (the run's first sampled step, say), so the
+    collector's step labels alone are uneven.
+
+    >>> cols, grid = bucket_grid([10, 500, 1500, 1510], np.array([[0.1, 0.2, 0.3, 0.4]]), 500)
+    >>> cols, grid.tolist()
+    ([0, 500, 1000, 1500], [[0.1, 0.2, nan, 0.4]])
+    """
+    if width <= 1 or not steps:
+        return list(steps), z
+    keys = np.asarray(steps, dtype=np.int64) // width
+    first = int(keys[0])
+    grid = np.full((z.shape[0], int(keys[-1]) - first + 1), np.nan, dtype=z.dtype)
+    np.fmax.at(grid.T, keys - first, z.T)
+    return (np.arange(first, int(keys[-1]) + 1) * width).tolist(), grid
 
 
 #: Most layer names written on the heatmap's axis; every row still names itself on hover.

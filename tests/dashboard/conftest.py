@@ -52,6 +52,7 @@ def layers_json() -> dict[str, Any]:
         "layers": ["embed.weight", "blocks.0.mlp.fc1.weight", "head.weight"],
         "steps": [2, 4, 6],
         "values": [[0.01, 0.1, 1.0], [0.02, "NaN", 1.0], [0.03, 0.3, 1.0]],
+        "step_width": 1,
     }
 
 
