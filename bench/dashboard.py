@@ -68,11 +68,12 @@ SIZES = """() => performance.getEntriesByType('resource').map(e => [
     e.name.includes('/_dash-update-component') || e.name.includes('/_dash-layout') ? 'data'
         : (e.name.includes('/_dash-component-suites/') || e.name.includes('/_ampwatch/'))
         ? 'assets' : 'other',
-    e.encodedBodySize])"""
+    e.encodedBodySize, e.decodedBodySize])"""
 
 
-def one_round(browser: Any, url: str) -> tuple[float, float, float, int, int]:
-    """(ms to rendered cold, then warm, then in-app, data bytes, asset bytes) of a visit
+def one_round(browser: Any, url: str) -> tuple[float, float, float, int, int, int, int]:
+    """(ms to rendered cold, then warm, then in-app, data bytes, asset bytes as sent
+    (compressed), then both decoded) of a visit
     of the run page in a fresh context, then of a second visit with the scripts in the
     cache, then of a click on the run in the runs overview (Dash and plotly.js already
     running: how an engineer who keeps the dashboard open gets there)."""
@@ -84,8 +85,10 @@ def one_round(browser: Any, url: str) -> tuple[float, float, float, int, int]:
     page.wait_for_function(RENDERED, arg=list(GRAPHS), timeout=60_000, polling=20)
     cold = float(page.evaluate("() => performance.now()"))
     sizes = {"data": 0, "assets": 0, "other": 0}
-    for kind, size in page.evaluate(SIZES):
+    decoded = dict(sizes)
+    for kind, size, unpacked in page.evaluate(SIZES):
         sizes[kind] += int(size)
+        decoded[kind] += int(unpacked)
     page.goto(f"{url}/dashboard/run/1")  # a new document: the scripts come from the cache
     page.wait_for_function(RENDERED, arg=list(GRAPHS), timeout=60_000, polling=20)
     warm = float(page.evaluate("() => performance.now()"))
@@ -100,7 +103,7 @@ def one_round(browser: Any, url: str) -> tuple[float, float, float, int, int]:
     context.close()
     if errors:
         raise RuntimeError(f"page errors: {errors}")
-    return cold, warm, in_app, sizes["data"], sizes["assets"]
+    return cold, warm, in_app, sizes["data"], sizes["assets"], decoded["data"], decoded["assets"]
 
 
 def main() -> int:
@@ -126,9 +129,10 @@ def main() -> int:
                 one_round(browser, url)  # warm the collector's caches and imports
                 results, floors = [], []
                 for i in range(rounds):
-                    ms, warm, in_app, data, assets = one_round(browser, url)
+                    ms, warm, in_app, data, assets, raw_data, raw_assets = one_round(
+                        browser, url)
                     floors.append(startup_floor(browser, url))
-                    results.append((ms, data, assets, warm, in_app))
+                    results.append((ms, data, assets, warm, in_app, raw_data, raw_assets))
                     print(f"round {i + 1}: first render {ms:6.0f} ms (scripts cached "
                           f"{warm:5.0f} ms, from the runs list {in_app:5.0f} ms), data "
                           f"{data / 1024:6.1f} KiB, scripts {assets / 1024:6.1f} KiB; "
@@ -142,8 +146,9 @@ def main() -> int:
     verdict = "ok" if median_ms <= BAR_MS else "OVER"
     print(f"run page, {steps:,} steps x {layers} tensors: first render median "
           f"{median_ms:.0f} ms (bar {BAR_MS:.0f} ms, {verdict}); data sent to the browser "
-          f"{median_data:,.0f} bytes ({median_data / 1024:.0f} KiB), plus "
-          f"{results[0][2] / 1024:.0f} KiB of scripts on a cold cache")
+          f"{median_data:,.0f} bytes ({median_data / 1024:.0f} KiB, "
+          f"{results[0][5] / 1024:.0f} KiB decoded), plus {results[0][2] / 1024:.0f} KiB "
+          f"of scripts on a cold cache ({results[0][6] / 1024:.0f} KiB decoded)")
     print(f"with the scripts cached (a second visit): median "
           f"{statistics.median(r[3] for r in results):.0f} ms; from a click in the runs "
           f"list (the dashboard already open): median "

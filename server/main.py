@@ -87,6 +87,7 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     # Imported here: Dash is heavy, and a collector started with dashboard=False
     # (docker-compose runs the dashboard as its own process) never needs it.
     from a2wsgi import WSGIMiddleware
+    from starlette.middleware.gzip import GZipMiddleware
 
     from ampwatch.dashboard.app import create_dash_app
 
@@ -96,7 +97,11 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
         requests_pathname_prefix=f"{DASHBOARD_PATH}/",
         token=token.get_secret_value() if token is not None else None,
     )
-    app.mount(DASHBOARD_PATH, WSGIMiddleware(dash.server))  # type: ignore[arg-type]
+    # Compressed for a browser across a network (an SSH tunnel to the cluster, say): a
+    # first visit's 2.7 MB of scripts and ~0.9 MB of page data shrink to about a third.
+    # Level 1: ~10 ms of server CPU per MB; higher levels cost 3x for a few percent more.
+    app.mount(DASHBOARD_PATH, GZipMiddleware(
+        WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1))  # type: ignore[arg-type]
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

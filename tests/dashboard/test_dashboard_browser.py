@@ -356,3 +356,14 @@ def test_layer_dropdown_searches_the_run_layers_and_opens_one(collector: str,
     option.click()
     page.wait_for_url(f"{collector}/dashboard/run/1/layer/blocks.2.mlp.fc2.weight")
     wait_for_graphs(page, ids.LAYER_SERIES_GRAPH)
+
+
+def test_the_collector_compresses_what_the_dashboard_sends(collector: str) -> None:
+    """For a browser across a network: page data and scripts go gzip-compressed."""
+    for path in ("/dashboard/", "/dashboard/_dash-dependencies"):
+        response = httpx.get(collector + path, headers={"Accept-Encoding": "gzip"}, timeout=30)
+        assert response.status_code == 200
+        assert response.headers["content-encoding"] == "gzip", path
+    plain = httpx.get(collector + "/dashboard/", headers={"Accept-Encoding": "identity"},
+                      timeout=30)
+    assert "content-encoding" not in plain.headers and "<html" in plain.text.lower()
