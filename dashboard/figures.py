@@ -478,8 +478,10 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
         "type": "heatmap", "x": steps, "y": matrix.layers, "z": z,
         "zmin": 0.0, "zmax": 1.0, "colorscale": ZERO_FRACTION_COLORSCALE,
         "colorbar": {"title": {"text": colorbar}},
-        "hovertemplate": "%{y}<br>step %{x}<br>" + colorbar.replace("<br>", " ")
-        + " %{z:.3f}<extra></extra>",
+        "hovertemplate": "%{y}<br>" + (
+            "step %{x}" if matrix.step_width <= 1
+            else f"{matrix.step_width:,} steps from %{{x}} (their maximum)"
+        ) + "<br>" + colorbar.replace("<br>", " ") + " %{z:.3f}<extra></extra>",
     }
     return figure_of([heatmap], {
         "title": _title(title, HEATMAP_SUBTITLES.get(matrix.stat, "")),

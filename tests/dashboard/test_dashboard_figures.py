@@ -122,6 +122,20 @@ def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, An
     assert figure.layout.yaxis.autorange == "reversed"  # first layer on top
 
 
+def test_a_downsampled_heatmap_sits_on_even_bucket_starts(layers_json: dict[str, Any]) -> None:
+    """Buckets of 500 steps whose first rows are at 10, 500 and 1,520 (none in 1,000-1,499):
+    columns at 0, 500, 1,000, 1,500, the empty bucket an empty column, so plotly.js can
+    paint a pixel per cell; the hover says what a cell holds."""
+    matrix = LayerMatrix.from_json({**layers_json, "steps": [10, 500, 1520], "step_width": 500})
+    (heatmap,) = figures.layer_heatmap(matrix).data
+    assert list(heatmap.x) == [0, 500, 1000, 1500]
+    z = [values(row) for row in heatmap.z.astype(float).round(4)]
+    assert z[0] == [0.01, 0.02, None, 0.03] and z[2] == [1.0, 1.0, None, 1.0]
+    assert "500 steps from %{x} (their maximum)" in heatmap.hovertemplate
+    exact = figures.layer_heatmap(LayerMatrix.from_json(layers_json)).data[0]
+    assert "<br>step %{x}<br>" in exact.hovertemplate
+
+
 def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
     layers = [f"blocks.{i}.weight" for i in range(200)]
     matrix = LayerMatrix.from_json(
