@@ -159,6 +159,16 @@ def create_dash_app(
 
     app.server.before_request(prefetch)
 
+    def layout_is_per_page(response: flask.Response) -> flask.Response:
+        # `_dash-layout` now depends on its Referer (`initial_layout`) and holds live data:
+        # no cache may keep one page's answer for another, or an old one.
+        if flask.request.path == "/_dash-layout":
+            response.headers["Vary"] = "Referer"
+            response.headers["Cache-Control"] = "no-store"
+        return response
+
+    app.server.after_request(layout_is_per_page)
+
     if bundle:
         app.server.add_url_rule(
             f"/{BUNDLE_ROUTE}", "plotly_bundle",

@@ -96,6 +96,8 @@ def initial_layout(app: dash.Dash, referrer: str | None) -> dict[str, Any]:
     headers = {"Referer": referrer} if referrer else {}
     response = app.server.test_client().get("/_dash-layout", headers=headers)
     assert response.status_code == 200, response.get_data(as_text=True)
+    # It varies with the Referer and holds live data: no cache may keep it.
+    assert (response.headers["Vary"], response.headers["Cache-Control"]) == ("Referer", "no-store")
     layout: dict[str, Any] = json.loads(response.get_data(as_text=True))
     return layout
 
