@@ -29,7 +29,7 @@ from reliability_support import (
 from sqlalchemy import func, select
 
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS
-from ampwatch.server.models import IngestedBatch, LayerStat, Run, Step
+from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
 
 pytestmark = pytest.mark.postgres
 
@@ -42,6 +42,23 @@ def _steps_stored(rows: RowCounter) -> int:
 
 def _run_ended(rows: RowCounter, client_run_id: str) -> bool:
     return rows.scalar(select(Run.status).where(Run.client_run_id == client_run_id)) == "ended"
+
+
+def _stored_events(rows: RowCounter, client_run_id: str) -> dict[str, Any]:
+    """The run's status, its events (kind, step) in stored order, its batches' seqs in
+    arrival order."""
+    run = select(Run.id).where(Run.client_run_id == client_run_id).scalar_subquery()
+    with rows.engine.connect() as connection:
+        return {
+            "status": connection.scalar(select(Run.status).where(Run.id == run)),
+            "events": connection.execute(
+                select(Event.kind, Event.step).where(Event.run_id == run).order_by(Event.id)
+            ).all(),
+            "seqs": connection.scalars(
+                select(IngestedBatch.seq).where(IngestedBatch.run_id == run)
+                .order_by(IngestedBatch.received_at, IngestedBatch.seq)
+            ).all(),
+        }
 
 
 def test_collector_sigkilled_mid_run_and_restarted(
@@ -259,7 +276,9 @@ def test_faulty_collector_bounded_agent_memory_counted_drops(
         try:
             wait_for(lambda: _run_ended(rows, handle.client_run_id), timeout=60, what="run end")
         except AssertionError as error:
-            raise AssertionError(f"{error}: {handle.counters}, proxy {proxy.seen}") from None
+            # Seen once in a full-suite run, never alone: say what the collector holds.
+            raise AssertionError(f"{error}: {handle.counters}, proxy {proxy.seen}, stored "
+                                 f"{_stored_events(rows, handle.client_run_id)}") from None
 
     counters = handle.counters
     assert counters["hook_errors"] == 0
