@@ -147,8 +147,8 @@ def create_dash_app(
         update_title="",  # keep the tab title steady while the page refreshes
         index_string=INDEX_STRING.replace("</head>", PLOTLY_LOADER % plotly_url + "</head>"),
     )
-    # A run page's data is read while its HTML's scripts load (`prefetch`); the router
-    # callback takes it. Flask's request.path is the path below the mount's prefix.
+    # A run page's data is read while its HTML's scripts load (`prefetch`); the page's
+    # layout takes it. Flask's request.path is the path below the mount's prefix.
     prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
         lambda run_id: run.fetch_run_data(client, run_id))
 
@@ -160,7 +160,7 @@ def create_dash_app(
     app.server.before_request(prefetch)
 
     def layout_is_per_page(response: flask.Response) -> flask.Response:
-        # `_dash-layout` now depends on its Referer (`initial_layout`) and holds live data:
+        # `_dash-layout` depends on its Referer (`initial_layout`) and holds live data:
         # no cache may keep one page's answer for another, or an old one.
         if flask.request.path == "/_dash-layout":
             response.headers["Vary"] = "Referer"
@@ -173,6 +173,7 @@ def create_dash_app(
         app.server.add_url_rule(
             f"/{BUNDLE_ROUTE}", "plotly_bundle",
             lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000))
+
     def page_at(pathname: str | None, search: str | None) -> Any:
         """The page at browser path `pathname` with query `search`."""
         path = page_path(app, pathname)
