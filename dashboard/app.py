@@ -59,6 +59,16 @@ function ampwatchLoadPlotly() {
 </script>
 """
 
+# In the browser, on every URL change (the Location's mount included): route, unless this
+# is the page the initial layout already holds (checked once, then forgotten, so coming
+# back to that URL later routes as any other).
+ROUTE_GUARD = """function (pathname, search, drawn) {
+    const here = (pathname || "") + (search || "");
+    const route = drawn === here ? window.dash_clientside.no_update
+        : {pathname: pathname, search: search};
+    return [route, null];
+}"""
+
 # Inline, so the package ships no assets folder that an install could forget.
 INDEX_STRING = """<!DOCTYPE html>
 <html>
@@ -199,21 +209,19 @@ def create_dash_app(
     def shell(url: str | None = None) -> html.Div:
         """The app's frame, holding the page at browser URL `url` (None: empty, and the
         router fills it once the `dcc.Location` has read the browser's URL)."""
-        # callback-nav: a callback that sets the URL (heatmap click → layer page)
-        # navigates inside the app instead of reloading it.
-        location = dcc.Location(id=ids.URL, refresh="callback-nav")
-        content = None
+        drawn = content = None
         if url is not None:
             parts = urlsplit(url)
             search = f"?{parts.query}" if parts.query else ""
-            # All four set as the browser has them, so the Location's mount changes
-            # nothing and the router does not run again for the page already here.
-            location = dcc.Location(id=ids.URL, refresh="callback-nav", pathname=parts.path,
-                                    search=search, hash="", href=url)
             content = page_at(parts.path, search)
+            drawn = parts.path + search
         return html.Div(
             [
-                location,
+                # callback-nav: a callback that sets the URL (heatmap click → layer page)
+                # navigates inside the app instead of reloading it.
+                dcc.Location(id=ids.URL, refresh="callback-nav"),
+                dcc.Store(id=ids.PAGE_DRAWN, data=drawn),
+                dcc.Store(id=ids.ROUTE),
                 html.Nav(
                     [dcc.Link("ampwatch", href=href(app, "/")),
                      dcc.Link("compare", href=href(app, compare_path([])), className="nav")],
@@ -226,11 +234,17 @@ def create_dash_app(
     def initial_layout() -> html.Div:
         """What `_dash-layout` serves. The browser sends that request with the page's URL
         as its Referer (same-origin), so the page comes with the layout: the first render
-        skips a router round trip (~200 ms of idle browser). Without a Referer of this
-        app (a stripping proxy), the frame comes empty and the router fills it."""
+        skips a router round trip (~200 ms of idle browser). The browser then checks the
+        URL it really has against the one drawn (`ROUTE_GUARD`): a Referer cut to its
+        origin or stripped of its query by a privacy setting costs a redraw, never a wrong
+        page. Without a Referer of this app, or when drawing the page fails, the frame
+        comes empty and the router fills it."""
         referrer = flask.request.referrer if flask.has_request_context() else None
         prefix = app.config.requests_pathname_prefix
-        if referrer and urlsplit(referrer).path.startswith(prefix):
+        # Dash also calls the layout function once for its own checks, in whatever
+        # request comes first: only the layout's own request draws a page.
+        if (referrer and urlsplit(referrer).path.startswith(prefix)
+                and flask.request.path == "/_dash-layout"):
             try:
                 return shell(referrer)
             except Exception:  # a page's bug must not take the whole app down with it
@@ -247,10 +261,20 @@ def create_dash_app(
     )
     app.layout = initial_layout
 
-    @app.callback(Output(ids.PAGE, "children"), Input(ids.URL, "pathname"),
-                  State(ids.URL, "search"), prevent_initial_call=True)
-    def route(pathname: str | None, search: str | None) -> Any:
-        return page_at(pathname, search)
+    app.clientside_callback(  # type: ignore[no-untyped-call]
+        ROUTE_GUARD,
+        Output(ids.ROUTE, "data"),
+        Output(ids.PAGE_DRAWN, "data"),
+        Input(ids.URL, "pathname"),
+        State(ids.URL, "search"),
+        State(ids.PAGE_DRAWN, "data"),
+        prevent_initial_call=True,
+    )
+
+    @app.callback(Output(ids.PAGE, "children"), Input(ids.ROUTE, "data"),
+                  prevent_initial_call=True)
+    def route(where: dict[str, Any]) -> Any:
+        return page_at(where.get("pathname"), where.get("search"))
 
     for page in PAGES:
         page.register_callbacks(app, client)

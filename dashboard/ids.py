@@ -7,6 +7,10 @@ from typing import Final
 # App shell (router).
 URL: Final = "url"
 PAGE: Final = "page"
+#: The URL (path + query) of the page the initial layout came with; None once checked.
+PAGE_DRAWN: Final = "page-drawn"
+#: {pathname, search} of a page the router must draw.
+ROUTE: Final = "route"
 
 # Runs list page.
 RUNS_REFRESH: Final = "runs-refresh"

@@ -60,8 +60,8 @@ def call_callback(
 
 def routed_page(app: dash.Dash, pathname: str, search: str = "") -> str:
     return json.dumps(call_callback(app, (ids.PAGE, "children"),
-                                    [(ids.URL, "pathname", pathname)],
-                                    [(ids.URL, "search", search)]))
+                                    [(ids.ROUTE, "data", {"pathname": pathname,
+                                                          "search": search})]))
 
 
 def make_app(transport: httpx.MockTransport, prefix: str = "/dashboard/") -> dash.Dash:
@@ -102,44 +102,57 @@ def initial_layout(app: dash.Dash, referrer: str | None) -> dict[str, Any]:
     return layout
 
 
-def location_and_page(layout: dict[str, Any]) -> tuple[dict[str, Any], Any]:
-    location, _nav, main = layout["props"]["children"]
-    assert location["props"]["id"] == ids.URL and main["props"]["id"] == ids.PAGE
-    return location["props"], main["props"].get("children")
+def drawn_and_page(layout: dict[str, Any]) -> tuple[str | None, Any]:
+    """The initial layout's record of the URL it drew, and the page it holds."""
+    children = {child["props"]["id"]: child["props"] for child in layout["props"]["children"]
+                if "id" in child["props"]}
+    assert set(children) == {ids.URL, ids.PAGE_DRAWN, ids.ROUTE, ids.PAGE}
+    assert children[ids.URL] == {"id": ids.URL, "refresh": "callback-nav"}  # reads the URL
+    return children[ids.PAGE_DRAWN].get("data"), children[ids.PAGE].get("children")
 
 
 def test_a_visit_by_url_gets_its_page_inside_the_initial_layout(
         collector_transport: MakeTransport) -> None:
-    """No router round trip for the first render: the page is in `_dash-layout`, and the
-    Location holds the browser's URL, so its mount changes nothing and the router (which
-    never runs for the initial layout) stays idle."""
-    url = "http://dash.test/dashboard/run/7"
-    location, page = location_and_page(initial_layout(make_app(collector_transport()), url))
-    assert location == {"id": ids.URL, "refresh": "callback-nav", "pathname": "/dashboard/run/7",
-                        "search": "", "hash": "", "href": url}
+    """No router round trip for the first render: the page is in `_dash-layout`, with the
+    URL it was drawn for, which the browser checks against its own (`ROUTE_GUARD`)."""
+    app = make_app(collector_transport())
+    drawn, page = drawn_and_page(initial_layout(app, "http://dash.test/dashboard/run/7"))
+    assert drawn == "/dashboard/run/7"
     text = json.dumps(page)
     assert '"name": "loss scale"' in text and '"type": "heatmap"' in text
     assert "Loading" not in text
 
-    layer_url = "http://dash.test/dashboard/run/7/layer/head.weight?step=40"
-    location, page = location_and_page(initial_layout(make_app(collector_transport()),
-                                                      layer_url))
-    assert location["search"] == "?step=40"
+    drawn, page = drawn_and_page(initial_layout(
+        app, "http://dash.test/dashboard/run/7/layer/head.weight?step=40"))
+    assert drawn == "/dashboard/run/7/layer/head.weight?step=40"
     assert '"layer": "head.weight"' in json.dumps(page) and '"step": 40' in json.dumps(page)
-    dependencies = make_app(collector_transport()).server.test_client().get(
-        "/_dash-dependencies").get_json()
+    dependencies = app.server.test_client().get("/_dash-dependencies").get_json()
+    (guard,) = [d for d in dependencies if d["output"] == f"..{ids.ROUTE}.data...{ids.PAGE_DRAWN}.data.."]
+    assert guard["prevent_initial_call"] is True  # only the Location's reading of the URL
+    assert [i["id"] for i in guard["inputs"]] == [ids.URL]
     (route,) = [d for d in dependencies if d["output"] == f"{ids.PAGE}.children"]
-    assert route["prevent_initial_call"] is True
+    assert [i["id"] for i in route["inputs"]] == [ids.ROUTE]
 
 
 def test_without_a_referrer_of_the_app_the_router_draws_the_page(
         collector_transport: MakeTransport) -> None:
-    """A proxy that strips Referer, or one from elsewhere: an empty frame whose Location
-    reads the URL on mount, which runs the router."""
+    """A proxy that strips Referer, or one from elsewhere: an empty frame, which the
+    router fills once the Location has read the URL."""
     for referrer in (None, "http://elsewhere.test/other/run/7"):
-        location, page = location_and_page(initial_layout(make_app(collector_transport()),
-                                                          referrer))
-        assert location == {"id": ids.URL, "refresh": "callback-nav"} and page is None
+        drawn, page = drawn_and_page(initial_layout(make_app(collector_transport()), referrer))
+        assert drawn is None and page is None
+
+
+def test_only_the_layout_request_draws_a_page(collector_transport: MakeTransport) -> None:
+    """Dash calls the layout function in the first request it serves, whatever it is: an
+    HTML page with a Referer must not draw (and read the collector for) another page."""
+    transport = collector_transport()
+    app = make_app(transport)
+    client = app.server.test_client()
+    before = len(transport.requests)  # type: ignore[attr-defined]
+    assert client.get("/", headers={"Referer": "http://dash.test/dashboard/run/7"}
+                      ).status_code == 200
+    assert len(transport.requests) == before  # type: ignore[attr-defined]
 
 
 def test_a_page_that_fails_to_draw_leaves_the_layout_to_the_router(
@@ -150,8 +163,8 @@ def test_a_page_that_fails_to_draw_leaves_the_layout_to_the_router(
 
     app = make_app(collector_transport())
     monkeypatch.setattr(runs, "layout", broken)
-    location, page = location_and_page(initial_layout(app, "http://dash.test/dashboard/"))
-    assert page is None and "pathname" not in location  # the app still loads
+    drawn, page = drawn_and_page(initial_layout(app, "http://dash.test/dashboard/"))
+    assert drawn is None and page is None  # the app still loads
     assert "the router will draw it" in caplog.text and "a bug in a page" in caplog.text
 
 

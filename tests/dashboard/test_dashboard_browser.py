@@ -144,6 +144,36 @@ def points_in(page: Any, graph_id: str, low: int, high: int) -> int:
     return count
 
 
+def test_a_visit_by_url_renders_without_the_router(collector: str, page: Any) -> None:
+    """The run page comes inside the initial layout: no callback draws the page."""
+    routed: list[str] = []
+    page.on("request", lambda r: routed.append(r.url) if "_dash-update-component" in r.url
+            and f'"{ids.PAGE}.children"' in (r.post_data or "") else None)
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, *RUN_GRAPHS)
+    assert routed == []
+
+
+@pytest.mark.parametrize("referrer", ["another page", "no-referrer policy"])
+def test_a_referrer_that_is_not_the_page_still_gets_the_page(
+        collector: str, page: Any, referrer: str) -> None:
+    """A Referer naming another page (the runs list) draws that into the initial layout;
+    the browser sees its URL is the run page and the router draws that. A proxy's
+    `Referrer-Policy: no-referrer`: an empty frame, filled by the router."""
+    if referrer == "another page":
+        page.set_extra_http_headers({"Referer": f"{collector}/dashboard/"})
+    else:
+        page.route("**/dashboard/run/1", lambda route: route.fulfill(
+            response=route.fetch(), headers={"Referrer-Policy": "no-referrer"}))
+    with page.expect_response(lambda r: "_dash-layout" in r.url) as layout:
+        page.goto(f"{collector}/dashboard/run/1")
+    drawn = {child["props"].get("id"): child["props"].get("data")
+             for child in layout.value.json()["props"]["children"]}[ids.PAGE_DRAWN]
+    assert drawn == ("/dashboard/" if referrer == "another page" else None)
+    wait_for_graphs(page, *RUN_GRAPHS)
+    assert page.locator(f"#{ids.RUNS_TABLE}").count() == 0
+
+
 def test_runs_overview_shows_health_and_links(collector: str, page: Any) -> None:
     page.goto(f"{collector}/dashboard/")
     link = page.get_by_role("link", name=RUN_NAME)
