@@ -494,6 +494,11 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
     })
 
 
+#: A heatmap goes on its bucket grid only when that has at most this many columns per row
+#: it holds; beyond, it keeps its rows' own steps.
+GRID_MOST = 4
+
+
 def bucket_grid(steps: Sequence[int], z: npt.NDArray[np.float32], width: int
                 ) -> tuple[list[int], npt.NDArray[np.float32]]:
     """Downsampled columns (`width` > 1) on their buckets' evenly spaced starts: a bucket
@@ -510,9 +515,9 @@ def bucket_grid(steps: Sequence[int], z: npt.NDArray[np.float32], width: int
     >>> cols, grid.tolist()
     ([0, 500, 1000, 1500], [[0.1, 0.2, nan, 0.4]])
     """
-    if width <= 1 or not steps:
-        return list(steps), z
-    keys = np.asarray(steps, dtype=np.int64) // width
+    keys = np.asarray(steps, dtype=np.int64) // max(width, 1)
+    if width <= 1 or not steps or keys[-1] - keys[0] >= GRID_MOST * len(steps):
+        return list(steps), z  # mostly empty on that grid (a run resumed far ahead)
     first = int(keys[0])
     grid = np.full((z.shape[0], int(keys[-1]) - first + 1), np.nan, dtype=z.dtype)
     np.fmax.at(grid.T, keys - first, z.T)

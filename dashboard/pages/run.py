@@ -208,6 +208,7 @@ def cursor_of(data: dict[str, Any] | None) -> dict[str, Any] | None:
         "points": len(steps["step"]),
         "rows": len(heatmap["steps"]),
         "heatmap_next": data.get("heatmap_next"),
+        "heatmap_width": heatmap.get("step_width", 1),
     }
 
 
@@ -237,7 +238,8 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         patch["heatmap"] = matrix.to_json(decimals=HEATMAP_DECIMALS)
         patch["heatmap_next"] = matrix.next_step
         return patch, {**cursor, "stat": stat, "layers": matrix.layers,
-                       "rows": len(matrix.steps), "heatmap_next": matrix.next_step}
+                       "rows": len(matrix.steps), "heatmap_next": matrix.next_step,
+                       "heatmap_width": matrix.step_width}
     # A downsampled series' last point is its last bucket's last step; a heatmap row
     # starts its bucket, so the store keeps where the next rows begin.
     last_step = cursor["last_step"]
@@ -248,8 +250,13 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
             return dash.no_update, dash.no_update
         new_steps = client.steps(run_id, start=None if last_step is None else last_step + 1)
         new_rows = client.layer_matrix(run_id, stat, start=cursor["heatmap_next"])
-        if new_rows.steps and new_rows.layers != cursor["layers"]:
-            # New layers appeared: the columns changed, so the whole matrix is read again.
+        # New layers appeared (the columns changed), or the new rows came in wider buckets
+        # than the stored ones (a long backlog; they would leave gaps between the stored
+        # buckets): the whole matrix is read again.
+        whole = bool(new_rows.steps) and (
+            new_rows.layers != cursor["layers"]
+            or new_rows.step_width > cursor.get("heatmap_width", 1))
+        if whole:
             new_rows = client.layer_matrix(run_id, stat)
         events = client.events(run_id)
         alerts = client.alerts(run_id)
@@ -271,7 +278,7 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         moved.update(last_step=new_steps.step[-1],
                      points=(cursor["points"] if last_step is not None else 0)
                      + len(new_steps.step))
-    if new_rows.steps and new_rows.layers == cursor["layers"]:
+    if new_rows.steps and not whole:
         patch["heatmap"]["steps"].extend(new_rows.steps)
         patch["heatmap"]["values"].extend(new_rows.to_json(decimals=HEATMAP_DECIMALS)["values"])
         patch["heatmap_next"] = new_rows.next_step
@@ -280,7 +287,7 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         patch["heatmap"] = new_rows.to_json(decimals=HEATMAP_DECIMALS)
         patch["heatmap_next"] = new_rows.next_step
         moved.update(rows=len(new_rows.steps), heatmap_next=new_rows.next_step,
-                     layers=new_rows.layers)
+                     layers=new_rows.layers, heatmap_width=new_rows.step_width)
     patch["events"] = [event.to_json() for event in events]
     patch["alerts"] = alerts_json(alerts)
     patch["advice"] = _optional(advice)

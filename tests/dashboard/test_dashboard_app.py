@@ -289,6 +289,33 @@ def test_live_refresh_fetches_only_new_steps_and_appends_them(
                                                                        dash.no_update)
 
 
+def test_new_rows_in_wider_buckets_than_the_stored_replace_the_heatmap(
+    collector_transport: MakeTransport, run_json: dict[str, Any], layers_json: dict[str, Any],
+) -> None:
+    """A long backlog comes downsampled wider than the stored buckets: appended, it would
+    leave empty columns between them, so the whole matrix is read again instead."""
+    run = f"/api/v1/runs/{RUN_ID}"
+    whole = {**layers_json, "steps": [2, 30, 60], "step_width": 4}
+
+    def rows(request: httpx.Request) -> dict[str, Any]:
+        if "start" in request.url.params:  # the tail: 250 rows in buckets of 8 steps
+            return {**layers_json, "steps": [64, 72, 80], "step_width": 8}
+        return whole
+
+    grown = {**run_json, "last_step": 80, "last_seen_at": "2026-11-29T09:31:00+00:00"}
+    transport = collector_transport(**{run: grown, f"{run}/layers": rows})
+    client = CollectorClient("http://collector.test", transport=transport)
+    stored = fetch_run_data(client, RUN_ID)
+    stored["run"] = {**stored["run"], "last_seen_at": run_json["last_seen_at"]}
+    cursor = cursor_of(stored)
+    assert cursor is not None and cursor["heatmap_width"] == 4
+    patch, moved = update_run_data(client, RUN_ID, cursor, "zero_fraction")
+    replaced = {tuple(op["location"]): op["params"]["value"]
+                for op in patch.to_plotly_json()["operations"] if op["operation"] == "Assign"}
+    assert replaced[("heatmap",)]["steps"] == [2, 30, 60]  # the whole matrix, re-read
+    assert (moved["rows"], moved["heatmap_width"]) == (3, 4)
+
+
 @pytest.mark.parametrize(("relayout", "window"), [
     ({"xaxis.range[0]": 10.4, "xaxis.range[1]": 99.6}, (10, 100)),
     ({"xaxis2.range": [50, 20]}, (20, 50)),

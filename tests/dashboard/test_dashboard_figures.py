@@ -134,6 +134,9 @@ def test_a_downsampled_heatmap_sits_on_even_bucket_starts(layers_json: dict[str,
     assert "500 steps from %{x} (their maximum)" in heatmap.hovertemplate
     exact = figures.layer_heatmap(LayerMatrix.from_json(layers_json)).data[0]
     assert "<br>step %{x}<br>" in exact.hovertemplate
+    # A run resumed far ahead: its grid would be mostly empty, so rows keep their steps.
+    far = LayerMatrix.from_json({**layers_json, "steps": [10, 500, 50_000_000], "step_width": 500})
+    assert list(figures.layer_heatmap(far).data[0].x) == [10, 500, 50_000_000]
 
 
 def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
