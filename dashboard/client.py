@@ -453,12 +453,12 @@ class CollectorClient:
                          max_points=max_points)
 
     def layer_histograms(self, run_id: int, layer: str, *, rank: int = 0,
-                         step: int | None = None, max_points: int = HISTOGRAM_FRAMES
+                         start: int | None = None, max_points: int = HISTOGRAM_FRAMES
                          ) -> LayerHistograms:
-        """The layer's exponent histograms, evenly thinned by the collector to `max_points`,
-        or the one at exactly `step` (none when that step was not sampled)."""
+        """The layer's exponent histograms from step `start` on, evenly thinned by the
+        collector to `max_points` (1: the first one at or after `start`)."""
         return self._get(f"/runs/{run_id}/layers/{quote(layer, safe='')}/histograms",
-                         LayerHistograms.from_json, rank=rank, step=step,
+                         LayerHistograms.from_json, rank=rank, start=start,
                          max_points=max_points)
 
     def alerts(self, run_id: int) -> list[Alert] | None:

@@ -45,15 +45,17 @@ def layout(run_id: int = 0, layer: str = "", step: int | None = None, **_kwargs:
     )
 
 
-def nearest_index(steps: list[int], step: int | None) -> int | None:
-    """The index of the step closest to `step` (None: no preference).
+def index_from(steps: list[int], step: int | None) -> int | None:
+    """The index of the first of sorted `steps` at or after `step`, else the last (None:
+    no preference). A heatmap cell names its bucket's start, before the bucket's first
+    sampled step.
 
-    >>> nearest_index([10, 20, 30], 24), nearest_index([10, 20], None)
-    (1, None)
+    >>> index_from([10, 20, 30], 14), index_from([10, 20], 25), index_from([10], None)
+    (1, 1, None)
     """
     if step is None or not steps:
         return None
-    return min(range(len(steps)), key=lambda i: abs(steps[i] - step))
+    return next((i for i, s in enumerate(steps) if s >= step), len(steps) - 1)
 
 
 LayerView = tuple[Any, go.Figure, go.Figure, list[dict[str, str]]]
@@ -70,8 +72,9 @@ def layer_view(client: CollectorClient, run_id: int, layer: str, step: int | Non
         series = {stat: client.layer_series(run_id, layer, stat) for stat in FRACTION_STATS}
         max_abs = client.layer_series(run_id, layer, "max_abs_scaled")
         hists = client.layer_histograms(run_id, layer)
-        if step is not None and step not in hists.steps:  # the chosen step, exactly
-            hists = hists.merged(client.layer_histograms(run_id, layer, step=step))
+        if step is not None and step not in hists.steps:  # the first sampled from `step`
+            hists = hists.merged(client.layer_histograms(run_id, layer, start=step,
+                                                         max_points=1))
         scale_steps = (client.steps(run_id, start=hists.steps[0], end=hists.steps[-1])
                        if hists.steps else None)
     except RunNotFound:
@@ -91,7 +94,7 @@ def layer_view(client: CollectorClient, run_id: int, layer: str, step: int | Non
     ])
     return (
         header,
-        exponent_histogram_figure(hists, scales, active=nearest_index(hists.steps, step)),
+        exponent_histogram_figure(hists, scales, active=index_from(hists.steps, step)),
         layer_series_figure(series, max_abs),
         [{"label": name, "value": name} for name in names],
     )

@@ -422,6 +422,18 @@ def test_layer_page_draws_series_and_histograms(collector_transport: MakeTranspo
     assert {"label": "head.weight", "value": "head.weight"} in answer[ids.LAYER_PICK]["options"]
     assert '"href": "/dashboard/run/7"' in json.dumps(answer[ids.LAYER_HEADER])
 
+    # A heatmap cell's step, its bucket's start (3): the first histogram from there on.
+    transport = collector_transport()
+    body["inputs"][0]["value"] = {**key, "step": 3}
+    response = make_app(transport).server.test_client().post("/_dash-update-component",
+                                                             json=body)
+    histogram = json.loads(response.get_data(as_text=True))["response"][
+        ids.LAYER_HISTOGRAM_GRAPH]["figure"]
+    assert histogram["layout"]["sliders"][0]["active"] == 1  # step 4, not 2
+    (exact,) = [dict(r.url.params) for r in transport.requests  # type: ignore[attr-defined]
+                if r.url.path.endswith("/histograms") and "start" in r.url.params]
+    assert (exact["start"], exact["max_points"]) == ("3", "1")
+
     key["layer"] = "nosuch.weight"
     body["inputs"][0]["value"] = key
     response = app.server.test_client().post("/_dash-update-component", json=body)
