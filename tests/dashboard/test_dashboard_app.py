@@ -249,6 +249,23 @@ def test_fetch_keeps_nan_apart_from_null_in_the_store(
     assert view[-1] == {}
 
 
+def grown(run_json: dict[str, Any], last_step: int) -> dict[str, Any]:
+    """The run summary once more steps have arrived."""
+    return {**run_json, "last_step": last_step, "last_seen_at": "2026-11-29T09:31:00+00:00"}
+
+
+def stored_cursor(transport: httpx.MockTransport, run_json: dict[str, Any]
+                  ) -> tuple[CollectorClient, dict[str, Any]]:
+    """A client of `transport` and the cursor of the page as first drawn, when the run
+    summary was still `run_json` (so the next refresh sees it moved)."""
+    client = CollectorClient("http://collector.test", transport=transport)
+    stored = fetch_run_data(client, RUN_ID)
+    stored["run"] = {**stored["run"], "last_seen_at": run_json["last_seen_at"]}
+    cursor = cursor_of(stored)
+    assert cursor is not None
+    return client, cursor
+
+
 def test_live_refresh_fetches_only_new_steps_and_appends_them(
     collector_transport: MakeTransport, run_json: dict[str, Any], steps_json: dict[str, Any],
 ) -> None:
@@ -261,13 +278,9 @@ def test_live_refresh_fetches_only_new_steps_and_appends_them(
                     "skipped": [False, True], "skipped_count": [0, 1], "bucket_width": 1}
         return steps_json
 
-    grown = {**run_json, "last_step": 8, "last_seen_at": "2026-11-29T09:31:00+00:00"}
-    transport = collector_transport(**{run: grown, f"{run}/steps": steps_after})
-    client = CollectorClient("http://collector.test", transport=transport)
-    stored = fetch_run_data(client, RUN_ID)
-    stored["run"] = {**stored["run"], "last_seen_at": run_json["last_seen_at"]}
-    cursor = cursor_of(stored)
-    assert cursor is not None and (cursor["last_step"], cursor["heatmap_next"]) == (6, 7)
+    transport = collector_transport(**{run: grown(run_json, 8), f"{run}/steps": steps_after})
+    client, cursor = stored_cursor(transport, run_json)
+    assert (cursor["last_step"], cursor["heatmap_next"]) == (6, 7)
     patch, moved = update_run_data(client, RUN_ID, cursor, "zero_fraction")
     operations = patch.to_plotly_json()["operations"]
     extended = {tuple(op["location"]): op["params"]["value"] for op in operations
@@ -302,13 +315,9 @@ def test_new_rows_in_wider_buckets_than_the_stored_replace_the_heatmap(
             return {**layers_json, "steps": [64, 72, 80], "step_width": 8}
         return whole
 
-    grown = {**run_json, "last_step": 80, "last_seen_at": "2026-11-29T09:31:00+00:00"}
-    transport = collector_transport(**{run: grown, f"{run}/layers": rows})
-    client = CollectorClient("http://collector.test", transport=transport)
-    stored = fetch_run_data(client, RUN_ID)
-    stored["run"] = {**stored["run"], "last_seen_at": run_json["last_seen_at"]}
-    cursor = cursor_of(stored)
-    assert cursor is not None and cursor["heatmap_width"] == 4
+    transport = collector_transport(**{run: grown(run_json, 80), f"{run}/layers": rows})
+    client, cursor = stored_cursor(transport, run_json)
+    assert cursor["heatmap_width"] == 4
     patch, moved = update_run_data(client, RUN_ID, cursor, "zero_fraction")
     replaced = {tuple(op["location"]): op["params"]["value"]
                 for op in patch.to_plotly_json()["operations"] if op["operation"] == "Assign"}
