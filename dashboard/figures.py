@@ -515,13 +515,15 @@ def bucket_grid(steps: Sequence[int], z: npt.NDArray[np.float32], width: int
     >>> cols, grid.tolist()
     ([0, 500, 1000, 1500], [[0.1, 0.2, nan, 0.4]])
     """
-    keys = np.asarray(steps, dtype=np.int64) // max(width, 1)
-    if width <= 1 or not steps or keys[-1] - keys[0] >= GRID_MOST * len(steps):
+    if width <= 1 or not steps:
+        return list(steps), z
+    keys = np.asarray(steps, dtype=np.int64) // width
+    first, last = int(keys[0]), int(keys[-1])
+    if last - first >= GRID_MOST * len(steps):
         return list(steps), z  # mostly empty on that grid (a run resumed far ahead)
-    first = int(keys[0])
-    grid = np.full((z.shape[0], int(keys[-1]) - first + 1), np.nan, dtype=z.dtype)
+    grid = np.full((z.shape[0], last - first + 1), np.nan, dtype=z.dtype)
     np.fmax.at(grid.T, keys - first, z.T)
-    return (np.arange(first, int(keys[-1]) + 1) * width).tolist(), grid
+    return (np.arange(first, last + 1) * width).tolist(), grid
 
 
 #: Most layer names written on the heatmap's axis; every row still names itself on hover.
