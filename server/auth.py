@@ -7,7 +7,12 @@ random secret cannot be guessed, so a fast hash is as safe, and it keeps the per
 check on the ingest path at microseconds instead of ~100 ms.
 
 Rules (`resolve_principal`): a token of project P reads and writes only P's runs; an admin
-token (`AMPWATCH_ADMIN_TOKEN`, or a stored token without project) may do everything. In
+token (`AMPWATCH_ADMIN_TOKEN`, or a stored token without project) may do everything.
+A stored token also has a scope (`GRANTS`): `write` (the default) reads and writes,
+`read` only reads (what a dashboard needs), `metrics` only scrapes `/metrics` (what a
+Prometheus needs), each within its project, or every project when made without one.
+What a request needs follows from its route (`required_access`): `/metrics` needs
+`metrics`, other GETs `read`, every other method `write`. In
 `auth="auto"` mode the collector trusts every caller while no credential exists at all
 and it listens on loopback only, as PostgreSQL trusts its local socket: only processes on
 this machine can connect. Every decision reads the database, never process memory, so
@@ -32,7 +37,7 @@ from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import begin_write, dialect_insert
-from ampwatch.server.models import Project, Run, Token, utcnow
+from ampwatch.server.models import Project, Run, Token, TokenScope, utcnow
 from ampwatch.server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -40,6 +45,16 @@ logger = logging.getLogger(__name__)
 TOKEN_SCHEME = "aw"
 DEFAULT_PROJECT = "default"
 _LOOPBACK_NAMES = frozenset({"localhost"})
+DEFAULT_SCOPE: TokenScope = "write"
+METRICS_PATH = "/metrics"
+
+#: What each token scope grants: kinds of access, each a route's `required_access`.
+GRANTS: dict[str, frozenset[str]] = {
+    "write": frozenset({"write", "read", "metrics"}),
+    "read": frozenset({"read", "metrics"}),
+    "metrics": frozenset({"metrics"}),
+}
+_READ_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
 
 
 class AuthError(Exception):
@@ -51,15 +66,40 @@ class AuthError(Exception):
         self.message = message
 
 
+def required_access(method: str, route_path: str) -> str:
+    """The access a request needs: `metrics` for the scrape target, `read` for other
+    GETs, `write` for everything else (a GET never changes anything here).
+
+    >>> required_access("POST", "/api/v1/ingest")
+    'write'
+    """
+    if route_path == METRICS_PATH:
+        return "metrics"
+    return "read" if method.upper() in _READ_METHODS else "write"
+
+
 @dataclass(frozen=True)
 class Principal:
-    """Who is calling: `project` None means every project (admin token or local trust)."""
+    """Who is calling: `project` None means every project (admin token or local trust);
+    `scope` what it may do there (`GRANTS`)."""
 
     project: str | None
+    scope: TokenScope = DEFAULT_SCOPE
 
     @property
     def is_admin(self) -> bool:
+        """Every project (what it may do there is `scope`'s, checked at the door)."""
         return self.project is None
+
+    def check_access(self, access: str) -> None:
+        """Raise 403 unless this caller's scope grants `access` (`required_access`)."""
+        if access not in GRANTS[self.scope]:
+            raise AuthError(
+                403,
+                f"this is a {self.scope!r} token and this request needs {access!r} access; "
+                f"use a token created with --scope {access}"
+                + (" (or write)" if access == "read" else ""),
+            )
 
     def check_project(self, project: str) -> None:
         """Raise 403 unless this caller may touch `project`'s runs."""
@@ -79,6 +119,7 @@ class IssuedToken:
     prefix: str
     project: str | None
     name: str
+    scope: TokenScope = DEFAULT_SCOPE
 
 
 @dataclass(frozen=True)
@@ -88,6 +129,7 @@ class TokenInfo:
     name: str
     created_at: datetime
     revoked_at: datetime | None
+    scope: TokenScope = DEFAULT_SCOPE
 
 
 def hash_token(token: str) -> str:
@@ -108,13 +150,18 @@ def ensure_project(session: Session, name: str) -> int:
     return int(project_id)
 
 
-def create_token(session: Session, *, project: str | None, name: str = "") -> IssuedToken:
-    """Store a new token for `project` (None: an admin token) and return it, once."""
+def create_token(
+    session: Session, *, project: str | None, name: str = "", scope: TokenScope = DEFAULT_SCOPE
+) -> IssuedToken:
+    """Store a new token for `project` (None: every project) with `scope` and return it,
+    once. A `metrics` token without project scrapes every project's series."""
+    if scope not in GRANTS:
+        raise ValueError(f"unknown token scope {scope!r}; expected one of {list(GRANTS)}")
     prefix = secrets.token_hex(4)
     token = f"{TOKEN_SCHEME}_{prefix}_{secrets.token_urlsafe(32)}"
     begin_write(session)
     project_id = ensure_project(session, project) if project is not None else None
-    label = name or f"token for {project or 'every project'}"
+    label = name or f"{scope} token for {project or 'every project'}"
     session.add(
         Token(
             project_id=project_id,
@@ -122,10 +169,11 @@ def create_token(session: Session, *, project: str | None, name: str = "") -> Is
             secret_hash=hash_token(token),
             name=label,
             created_at=utcnow(),
+            scope=scope,
         )
     )
     session.commit()
-    return IssuedToken(token=token, prefix=prefix, project=project, name=label)
+    return IssuedToken(token=token, prefix=prefix, project=project, name=label, scope=scope)
 
 
 def list_tokens(session: Session) -> list[TokenInfo]:
@@ -135,7 +183,10 @@ def list_tokens(session: Session) -> list[TokenInfo]:
         .outerjoin(Project, Project.id == Token.project_id)
         .order_by(Token.id)
     )
-    return [TokenInfo(t.prefix, project, t.name, t.created_at, t.revoked_at) for t, project in rows]
+    return [
+        TokenInfo(t.prefix, project, t.name, t.created_at, t.revoked_at, t.scope)
+        for t, project in rows
+    ]
 
 
 def revoke_token(session: Session, prefix: str) -> bool:
@@ -194,8 +245,11 @@ def check_exposure(session: Session, settings: Settings) -> None:
         )
 
 
-def resolve_principal(session: Session, settings: Settings, authorization: str | None) -> Principal:
-    """Who sent a request with this `Authorization` header (raises AuthError 401).
+def resolve_principal(
+    session: Session, settings: Settings, authorization: str | None, *, access: str = "write"
+) -> Principal:
+    """Who sent a request with this `Authorization` header, needing `access`
+    (`required_access`); raises AuthError 401, or 403 when the token's scope lacks it.
 
     A presented token is always checked, even where no token is required: a wrong token
     is a misconfiguration the caller should hear about.
@@ -225,7 +279,9 @@ def resolve_principal(session: Session, settings: Settings, authorization: str |
     stored, project = row
     if stored.revoked_at is not None:
         raise AuthError(401, f"token {stored.prefix} was revoked; create a new one")
-    return Principal(project=project)
+    principal = Principal(project=project, scope=stored.scope)
+    principal.check_access(access)
+    return principal
 
 
 def run_project(session: Session, run_id: int) -> str | None:

@@ -155,9 +155,12 @@ def cmd_token(args: argparse.Namespace) -> int:
     try:
         with make_sessionmaker(engine)() as session:
             if args.action == "create":
-                issued = auth.create_token(session, project=args.project, name=args.name or "")
-                scope = f"project {issued.project!r}" if issued.project else "every project"
-                print(f"token {issued.prefix} ({issued.name}) for {scope}; shown only now:")
+                issued = auth.create_token(
+                    session, project=args.project, name=args.name or "", scope=args.scope
+                )
+                where = f"project {issued.project!r}" if issued.project else "every project"
+                print(f"{issued.scope} token {issued.prefix} ({issued.name}) for {where}; "
+                      "shown only now:")
                 print(issued.token)
             elif args.action == "revoke":
                 if not auth.revoke_token(session, args.prefix):
@@ -168,7 +171,7 @@ def cmd_token(args: argparse.Namespace) -> int:
                 for info in auth.list_tokens(session):
                     state = f"revoked {info.revoked_at:%Y-%m-%d}" if info.revoked_at else "active"
                     project = info.project or "(admin: every project)"
-                    print(f"{info.prefix}  {project}  {info.name}  {state}")
+                    print(f"{info.prefix}  {project}  {info.name}  {state}  {info.scope}")
     finally:
         engine.dispose()
     return 0
@@ -309,6 +312,8 @@ def cmd_webhook(args: argparse.Namespace) -> int:
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from ampwatch.server.models import TOKEN_SCOPES
+
     parser = argparse.ArgumentParser(
         prog="ampwatch",
         description="Training-health monitor for mixed-precision PyTorch.",
@@ -372,9 +377,16 @@ def build_parser() -> argparse.ArgumentParser:
     token_sub = token.add_subparsers(dest="action", required=True)
     create = token_sub.add_parser("create", help="create a token and print it (once)")
     scope = create.add_mutually_exclusive_group(required=True)
-    scope.add_argument("--project", help="the project whose runs the token reads and writes")
+    scope.add_argument("--project", help="the project whose runs the token may see")
     scope.add_argument(
-        "--admin", action="store_true", help="a token for every project (operators, /metrics)"
+        "--admin", action="store_true", help="a token for every project (operators)"
+    )
+    create.add_argument(
+        "--scope",
+        choices=TOKEN_SCOPES,
+        default="write",
+        help="write (default): read and write; read: read only (a dashboard); metrics: "
+        "scrape /metrics only (a Prometheus; with --admin, every project's series)",
     )
     create.add_argument("--name", help="a label shown by `ampwatch token list`")
     token_sub.add_parser("list", help="list tokens (their public prefixes; never secrets)")

@@ -1,22 +1,31 @@
 """`/metrics` in the Prometheus text exposition format (version 0.0.4), written by hand.
 
-Two kinds of series, named so that nobody mistakes one for the other:
+Three kinds of series, named so that nobody mistakes one for the other:
 
 - Read from the database at scrape time, so every worker answers the same: runs by
-  project and status, stored batches by project, and each running run's lag (seconds
-  since its last batch). Gauges, because deleting a run lowers them.
+  project and status, stored batches by project. Gauges, because deleting a run lowers
+  them.
+- Per run (`ampwatch_run_*`, `ampwatch.server.run_metrics`), also from the database:
+  loss scale, steps, skips, health, firing alerts, lag, the agent's dropped records, for
+  running runs and recently ended ones.
 - Counted by this process, labelled `pid`: batches, duplicates, steps and layer values
   accepted, and ingest requests rejected, by reason. They describe traffic that is not
   stored (a rejected batch leaves no row), so they cannot come from the database; with
   several workers, scrape each one (a container per worker), as for any Prometheus
   client, and `sum without (pid)`.
 
-No prometheus_client dependency: eight series do not need one, and its multi-process
-mode needs a shared directory that several hosts do not have.
+A scrape for one project (a token of that project, `render(project=...)`) holds that
+project's database series only: the per-process counters count every project's traffic.
+
+No prometheus_client dependency: its registry suits values kept in process memory, while
+nearly all of these are read from the database per scrape (a custom collector would be
+this module again), and its multi-process mode needs a shared directory that several
+hosts do not have.
 """
 
 from __future__ import annotations
 
+import math
 import os
 import threading
 from collections import Counter
@@ -27,6 +36,7 @@ from typing import Any
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ampwatch.server import run_metrics
 from ampwatch.server.models import IngestedBatch, Run
 from ampwatch.server.schemas import BatchIn
 
@@ -108,42 +118,77 @@ def _escape(value: str) -> str:
     return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
 
 
+def format_value(value: float) -> str:
+    """A sample value as the text format writes it (`NaN`, `+Inf`, `-Inf`, else Python's
+    shortest round-tripping form)."""
+    if isinstance(value, int):
+        return str(value)
+    if math.isnan(value):
+        return "NaN"
+    if math.isinf(value):
+        return "+Inf" if value > 0 else "-Inf"
+    return repr(float(value))
+
+
 def _family(
     name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]
 ) -> list[str]:
     lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
     for labels, value in samples:
         text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-        number = str(value) if isinstance(value, int) else repr(float(value))
+        number = format_value(value)
         lines.append(f"{name}{{{text}}} {number}" if text else f"{name} {number}")
     return lines
 
 
-def render(session: Session, counters: IngestCounters, *, now: datetime) -> str:
-    """The exposition text: database series, then this process's counters."""
+def render(
+    session: Session,
+    counters: IngestCounters,
+    *,
+    now: datetime,
+    ended_window: float,
+    max_runs: int,
+    project: str | None = None,
+) -> str:
+    """The exposition text: database series (of `project` only, when given), per-run
+    series, then this process's counters (only when every project is scraped)."""
+    scoped = [Run.project == project] if project is not None else []
     runs = session.execute(
-        select(Run.project, Run.status, func.count()).group_by(Run.project, Run.status)
+        select(Run.project, Run.status, func.count())
+        .where(*scoped)
+        .group_by(Run.project, Run.status)
     ).all()
     batches = session.execute(
         select(Run.project, func.count())
         .select_from(IngestedBatch)
         .join(Run, Run.id == IngestedBatch.run_id)
+        .where(*scoped)
         .group_by(Run.project)
     ).all()
-    running = session.execute(
-        select(Run.id, Run.project, Run.name, Run.last_seen_at).where(Run.status == "running")
-    ).all()
+    per_run = run_metrics.collect(
+        session, now=now, ended_window=ended_window, max_runs=max_runs, project=project
+    )
+    lines = [
+        *_family("ampwatch_runs", "gauge", "Runs stored, by project and status.",
+                 (({"project": p, "status": s}, n) for p, s, n in runs)),
+        *_family("ampwatch_stored_batches", "gauge", "Batches stored, by project.",
+                 (({"project": p}, n) for p, n in batches)),
+        *_family("ampwatch_metrics_runs_omitted", "gauge",
+                 "Runs left out of the per-run series by AMPWATCH_METRICS_MAX_RUNS.",
+                 [({}, per_run.omitted)]),
+    ]  # fmt: skip
+    for family in run_metrics.FAMILIES:
+        lines += _family(family.name, family.kind, family.help,
+                         run_metrics.family_samples(family, per_run.runs))  # fmt: skip
+    if project is None:
+        lines += _process_counters(counters)
+    return "\n".join(lines) + "\n"
+
+
+def _process_counters(counters: IngestCounters) -> list[str]:
     pid = {"pid": str(os.getpid())}
     with counters._lock:
-        lines = [
-            *_family("ampwatch_runs", "gauge", "Runs stored, by project and status.",
-                     (({"project": p, "status": s}, n) for p, s, n in runs)),
-            *_family("ampwatch_stored_batches", "gauge", "Batches stored, by project.",
-                     (({"project": p}, n) for p, n in batches)),
-            *_family("ampwatch_run_lag_seconds", "gauge",
-                     "Seconds since a running run's last batch arrived.",
-                     (({"project": p, "run_id": str(i), "run": name},
-                       (now - seen).total_seconds()) for i, p, name, seen in running)),
+        return [
             *_family("ampwatch_ingest_batches_total", "counter",
                      "Batches stored by this process.", [(pid, counters.batches)]),
             *_family("ampwatch_ingest_duplicate_batches_total", "counter",
@@ -158,4 +203,3 @@ def render(session: Session, counters: IngestCounters, *, now: datetime) -> str:
                      "Ingest requests this process refused, by reason.",
                      (({**pid, "reason": r}, n) for r, n in sorted(counters.rejected.items()))),
         ]  # fmt: skip
-    return "\n".join(lines) + "\n"

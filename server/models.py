@@ -54,6 +54,10 @@ Severity = Literal["info", "warning", "critical"]
 SEVERITIES: tuple[str, ...] = get_args(Severity)
 Health = Literal["ok", "warning", "critical"]
 HEALTHS: tuple[str, ...] = get_args(Health)
+#: What a token may do (`ampwatch.server.auth.GRANTS`): write (and read), read, or only
+#: scrape `/metrics`.
+TokenScope = Literal["write", "read", "metrics"]
+TOKEN_SCOPES: tuple[str, ...] = get_args(TokenScope)
 
 
 class Base(DeclarativeBase):
@@ -138,10 +142,16 @@ class Token(Base):
     """An API token, stored as the SHA-256 of its secret (`ampwatch.server.auth`).
 
     `prefix` is the public part of the token, shown by `ampwatch token list` and used to
-    find the row; `project_id` NULL means an admin token (every project).
+    find the row; `project_id` NULL means an admin token (every project); `scope` what it
+    may do there (tokens made before revision 0008 are `write`, as they could write).
     """
 
     __tablename__ = "tokens"
+    __table_args__ = (
+        CheckConstraint(
+            "scope IN ({})".format(", ".join(f"'{s}'" for s in TOKEN_SCOPES)), name="scope"
+        ),
+    )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project_id: Mapped[int | None] = mapped_column(
@@ -152,6 +162,7 @@ class Token(Base):
     name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    scope: Mapped[TokenScope] = mapped_column(String(16), default="write", server_default="write")
 
 
 class Run(Base):

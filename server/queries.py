@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from sqlalchemy import ColumnElement, Select, and_, func, select
+from sqlalchemy import ColumnElement, ScalarSelect, Select, Subquery, and_, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import DROPPED_KINDS, encode_float
@@ -23,21 +23,25 @@ from ampwatch.server.schemas import (
 SKIP_RATE_BUCKETS = 16
 
 
-def _runs_query() -> Select[Any]:
-    # From the step rollups (64 steps a row), not the steps: the runs list and every run
-    # page refresh read this, and counting a 100k-step run's rows took ~60-200 ms here
-    # against ~2 ms. Per rank, then the rank that reported most, so steps count once
-    # however many ranks reported them (ranks share skips: one scaler decision).
-    per_rank = (
-        select(
-            StepRollup.run_id,
-            func.sum(StepRollup.step_count).label("counted"),
-            func.max(StepRollup.last_step).label("last_step"),
-            func.sum(StepRollup.skipped_count).label("skipped"),
-        )
-        .group_by(StepRollup.run_id, StepRollup.rank)
-        .subquery()
+def step_summary(run_ids: Select[Any] | None = None) -> tuple[Subquery, ScalarSelect[Any]]:
+    """Each run's `steps`, `last_step` and `skipped_steps` (a subquery keyed by `run_id`)
+    and its last loss scale (a scalar subquery correlated with `Run`), for the runs
+    `run_ids` selects (every run when None).
+
+    From the step rollups (64 steps a row), not the steps: the runs list and every run
+    page refresh read this, and counting a 100k-step run's rows took ~60-200 ms here
+    against ~2 ms. Per rank, then the rank that reported most, so steps count once
+    however many ranks reported them (ranks share skips: one scaler decision).
+    """
+    per_rank_query = select(
+        StepRollup.run_id,
+        func.sum(StepRollup.step_count).label("counted"),
+        func.max(StepRollup.last_step).label("last_step"),
+        func.sum(StepRollup.skipped_count).label("skipped"),
     )
+    if run_ids is not None:
+        per_rank_query = per_rank_query.where(StepRollup.run_id.in_(run_ids))
+    per_rank = per_rank_query.group_by(StepRollup.run_id, StepRollup.rank).subquery()
     summary = (
         select(
             per_rank.c.run_id,
@@ -55,6 +59,11 @@ def _runs_query() -> Select[Any]:
         .limit(1)
         .scalar_subquery()
     )
+    return summary, last_loss_scale
+
+
+def _runs_query() -> Select[Any]:
+    summary, last_loss_scale = step_summary()
     return (
         select(
             Run,
@@ -68,9 +77,10 @@ def _runs_query() -> Select[Any]:
     )
 
 
-def _skip_rates(session: Session, run_ids: list[int]) -> dict[int, float]:
-    """Skipped share over each run's last `SKIP_RATE_BUCKETS` rollups (one query, rollups only)."""
-    if not run_ids:
+def skip_rates(session: Session, run_ids: list[int] | Select[Any]) -> dict[int, float]:
+    """Skipped share over each run's last `SKIP_RATE_BUCKETS` rollups (one query, rollups
+    only), for the runs listed or selected by `run_ids`."""
+    if isinstance(run_ids, list) and not run_ids:
         return {}
     latest = (
         select(StepRollup.run_id, func.max(StepRollup.bucket_start).label("latest"))
@@ -145,7 +155,7 @@ def list_runs(
         conditions.append(Run.name.ilike(f"%{pattern}%", escape="\\"))
     total = session.scalar(select(func.count()).select_from(Run).where(*conditions)) or 0
     page = session.execute(_runs_query().where(*conditions).limit(limit).offset(offset)).all()
-    rates = _skip_rates(session, [row[0].id for row in page])
+    rates = skip_rates(session, [row[0].id for row in page])
     return RunsPublic(
         runs=[_run_public(*row, skip_rate=rates.get(row[0].id)) for row in page],
         total=total,
@@ -157,7 +167,7 @@ def list_runs(
 def get_run(session: Session, run_id: int) -> RunPublic | None:
     """One run with its step summary, or None when there is no such run."""
     row = session.execute(_runs_query().where(Run.id == run_id)).first()
-    return _run_public(*row, skip_rate=_skip_rates(session, [run_id]).get(run_id)) if row else None
+    return _run_public(*row, skip_rate=skip_rates(session, [run_id]).get(run_id)) if row else None
 
 
 def run_events(session: Session, run_id: int) -> EventsPublic:

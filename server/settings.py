@@ -96,6 +96,19 @@ class Settings(BaseSettings):
         "messages; default: the mounted one, public_url + /dashboard (set it when the "
         "dashboard runs on its own, e.g. http://host:8050).",
     )
+    metrics_ended_window: float = Field(
+        default=3600.0,
+        ge=0,
+        description="Seconds an ended run keeps its per-run series on /metrics after its "
+        "last data (running runs always have them).",
+    )
+    metrics_max_runs: int = Field(
+        default=2000,
+        ge=0,
+        description="Most runs with per-run series on /metrics (~11 series each): running "
+        "runs first, then the most recently seen; ampwatch_metrics_runs_omitted counts the "
+        "rest.",
+    )
     notify_interval: float = Field(
         default=1.0,
         gt=0,

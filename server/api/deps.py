@@ -9,7 +9,7 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from ampwatch.server.auth import Principal, resolve_principal, run_project
+from ampwatch.server.auth import Principal, required_access, resolve_principal, run_project
 from ampwatch.server.schemas import MAX_INT, ErrorPublic
 from ampwatch.server.settings import Settings
 
@@ -52,13 +52,17 @@ def get_principal(
     settings: SettingsDep,
     _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
 ) -> Principal:
-    """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`).
+    """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`;
+    403 when the token's scope does not cover the route: `auth.required_access`).
 
     Uses a session of its own, closed before the endpoint runs, so that an endpoint that
     writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
+    access = required_access(request.method, request.scope["route"].path)
     with request.app.state.sessionmaker() as session:
-        return resolve_principal(session, settings, request.headers.get("authorization"))
+        return resolve_principal(
+            session, settings, request.headers.get("authorization"), access=access
+        )
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

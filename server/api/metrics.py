@@ -6,8 +6,7 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ampwatch.server import metrics
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep
-from ampwatch.server.auth import AuthError
+from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
 from ampwatch.server.models import utcnow
 
 router = APIRouter(tags=["metrics"])
@@ -18,13 +17,17 @@ router = APIRouter(tags=["metrics"])
     # No response_class: it would document the JSON 401/403 answers as text/plain too.
     responses={200: {"content": {metrics.CONTENT_TYPE: {}}}, **NOT_YOURS},
 )
-def scrape(request: Request, session: SessionDep, principal: PrincipalDep) -> PlainTextResponse:
-    """Collector-wide series; with tokens in use, scrape with the admin token."""
-    if not principal.is_admin:
-        raise AuthError(
-            403,
-            f"this token belongs to project {principal.project!r}; metrics cover every "
-            "project, so scrape them with the admin token",
-        )
-    text = metrics.render(session, request.app.state.ingest_counters, now=utcnow())
+def scrape(
+    request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
+) -> PlainTextResponse:
+    """Prometheus series: a token of a project (any scope; `metrics` is enough) gets that
+    project's; a token for every project also gets this process's ingest counters."""
+    text = metrics.render(
+        session,
+        request.app.state.ingest_counters,
+        now=utcnow(),
+        ended_window=settings.metrics_ended_window,
+        max_runs=settings.metrics_max_runs,
+        project=principal.project,
+    )
     return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)

@@ -1,0 +1,200 @@
+"""Per-run series for `/metrics`: what a Prometheus graphs and Alertmanager routes per run.
+
+Which runs: every running run, and ended runs whose last data is younger than
+`Settings.metrics_ended_window` (so the last values and the resolution of their alerts
+are scraped once more before the series go stale), at most `Settings.metrics_max_runs`
+(running ones first, then the most recently seen; `ampwatch_metrics_runs_omitted` says how
+many the cap left out). A run costs eleven series (ten while ended: no lag) plus one per
+(rule, severity) firing; no series is labelled by layer: a layer alert counts in its
+rule's `ampwatch_run_alerts_firing`.
+
+Cost: four queries whatever the number of runs (the runs with their rollup summary and
+last loss scale; the skip ratios; the firing alerts by rule and severity), never one per
+run; each reads the selected runs' step rollups (64 steps a row) or alerts, not their
+steps. `bench/metrics.py` measures a scrape with 1,000 live runs.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any
+
+from sqlalchemy import Select, case, func, or_, select
+from sqlalchemy.orm import Session
+
+from ampwatch.agent.wire import DROPPED_KINDS
+from ampwatch.server.models import HEALTHS, Alert, Run
+from ampwatch.server.queries import skip_rates, step_summary
+
+
+@dataclass(frozen=True)
+class RunSample:
+    """One run's values at scrape time; None where it has none (no step yet)."""
+
+    run_id: int
+    project: str
+    name: str
+    running: bool
+    lag_seconds: float
+    health: int
+    steps: int
+    last_step: int | None
+    skipped_steps: int
+    loss_scale: float | None
+    skip_ratio: float | None
+    dropped: dict[str, int]
+    #: (rule, severity) -> firing alerts (one per layer for layer rules).
+    firing: dict[tuple[str, str], int] = field(default_factory=dict)
+
+    @property
+    def labels(self) -> dict[str, str]:
+        return {"project": self.project, "run": self.name, "run_id": str(self.run_id)}
+
+
+@dataclass(frozen=True)
+class RunSamples:
+    runs: list[RunSample]
+    omitted: int
+
+
+def _scraped_runs(now: datetime, ended_window: float, project: str | None) -> Select[Any]:
+    """The ids of the runs `/metrics` covers, before the cap."""
+    conditions = [
+        or_(Run.status == "running", Run.last_seen_at >= now - timedelta(seconds=ended_window))
+    ]
+    if project is not None:
+        conditions.append(Run.project == project)
+    return select(Run.id).where(*conditions)
+
+
+def collect(
+    session: Session,
+    *,
+    now: datetime,
+    ended_window: float,
+    max_runs: int,
+    project: str | None = None,
+) -> RunSamples:
+    """The runs `/metrics` covers (all projects when `project` is None), with their values.
+
+    >>> collect(session, now=utcnow(), ended_window=3600, max_runs=2000)  # doctest: +SKIP
+    RunSamples(runs=[RunSample(run_id=1, ...)], omitted=0)
+    """
+    candidates = _scraped_runs(now, ended_window, project)
+    total = session.scalar(select(func.count()).select_from(candidates.subquery())) or 0
+    running_first = case((Run.status == "running", 0), else_=1)
+    chosen = (
+        candidates.order_by(running_first, Run.last_seen_at.desc(), Run.id.desc())
+        .limit(max_runs)
+        .scalar_subquery()
+    )
+    chosen_ids = select(Run.id).where(Run.id.in_(chosen))
+    summary, last_loss_scale = step_summary(chosen_ids)
+    rows = session.execute(
+        select(
+            Run.id, Run.project, Run.name, Run.status, Run.last_seen_at, Run.health,
+            *(getattr(Run, f"dropped_{kind}") for kind in DROPPED_KINDS),
+            summary.c.steps, summary.c.last_step, summary.c.skipped_steps,
+            last_loss_scale,
+        )
+        .outerjoin(summary, summary.c.run_id == Run.id)
+        .where(Run.id.in_(chosen))
+        .order_by(Run.id)
+    ).all()  # fmt: skip
+    ratios = skip_rates(session, chosen_ids)
+    firing: dict[int, dict[tuple[str, str], int]] = {}
+    for run_id, rule, severity, count in session.execute(
+        select(Alert.run_id, Alert.rule, Alert.severity, func.count())
+        .where(Alert.status == "firing", Alert.run_id.in_(chosen))
+        .group_by(Alert.run_id, Alert.rule, Alert.severity)
+    ):
+        firing.setdefault(run_id, {})[(rule, severity)] = count
+    runs = [_sample(row, now, ratios, firing) for row in rows]
+    return RunSamples(runs=runs, omitted=max(0, total - len(runs)))
+
+
+def _sample(
+    row: Any,
+    now: datetime,
+    ratios: dict[int, float],
+    firing: dict[int, dict[tuple[str, str], int]],
+) -> RunSample:
+    run_id, project, name, status, seen, health, *rest = row
+    dropped = dict(zip(DROPPED_KINDS, rest[: len(DROPPED_KINDS)]))
+    steps, last_step, skipped, scale = rest[len(DROPPED_KINDS) :]
+    return RunSample(
+        run_id=run_id,
+        project=project,
+        name=name,
+        running=status == "running",
+        lag_seconds=(now - seen).total_seconds(),
+        health=HEALTHS.index(health),
+        steps=int(steps or 0),
+        last_step=last_step,
+        skipped_steps=int(skipped or 0),
+        loss_scale=scale,
+        skip_ratio=ratios.get(run_id),
+        dropped={kind: int(count or 0) for kind, count in dropped.items()},
+        firing=firing.get(run_id, {}),
+    )
+
+
+Sample = tuple[dict[str, str], float]
+
+
+@dataclass(frozen=True)
+class Family:
+    """A per-run series family: `samples(run)` gives its extra labels and values."""
+
+    name: str
+    kind: str
+    help: str
+    samples: Callable[[RunSample], list[Sample]]
+
+
+def _value(get: Callable[[RunSample], float | None]) -> Callable[[RunSample], list[Sample]]:
+    """A family with one sample per run, none where `get` is None."""
+    return lambda run: [] if (value := get(run)) is None else [({}, value)]
+
+
+#: Every per-run family, in exposition order (labels project, run, run_id, then extras).
+FAMILIES: tuple[Family, ...] = (
+    Family("ampwatch_run_running", "gauge", "1 while the run is running, 0 once it ended.",
+           _value(lambda run: int(run.running))),
+    Family("ampwatch_run_lag_seconds", "gauge",
+           "Seconds since a running run's last batch arrived (the age of its last data).",
+           _value(lambda run: run.lag_seconds if run.running else None)),
+    Family("ampwatch_run_loss_scale", "gauge",
+           "The loss scale at the run's last step (absent before its first step).",
+           _value(lambda run: run.loss_scale)),
+    Family("ampwatch_run_last_step", "gauge", "The run's last optimizer step reported.",
+           _value(lambda run: run.last_step)),
+    Family("ampwatch_run_steps_total", "counter", "Optimizer steps the run reported.",
+           _value(lambda run: run.steps)),
+    Family("ampwatch_run_skipped_steps_total", "counter",
+           "Optimizer steps the loss scaler skipped (Inf/NaN gradients).",
+           _value(lambda run: run.skipped_steps)),
+    Family("ampwatch_run_skip_ratio", "gauge",
+           "Skipped share of the run's last 1,024 steps or fewer (the runs list's skip_rate).",
+           _value(lambda run: run.skip_ratio)),
+    Family("ampwatch_run_health", "gauge",
+           "Worst firing alert's severity: 0 ok, 1 warning, 2 critical.",
+           _value(lambda run: run.health)),
+    Family("ampwatch_run_alerts_firing", "gauge",
+           "Alerts firing for the run, by rule and severity (one per layer for layer rules).",
+           lambda run: [({"rule": rule, "severity": severity}, count)
+                        for (rule, severity), count in sorted(run.firing.items())]),
+    Family("ampwatch_run_agent_dropped_total", "counter",
+           "Records the run's agent dropped rather than block training, by kind.",
+           lambda run: [({"kind": kind}, count) for kind, count in run.dropped.items()]),
+)  # fmt: skip
+
+
+def family_samples(family: Family, runs: list[RunSample]) -> Iterator[Sample]:
+    """`family`'s samples over `runs`, each labelled by its run."""
+    for run in runs:
+        labels = run.labels
+        for extra, value in family.samples(run):
+            yield ({**labels, **extra} if extra else labels), value
