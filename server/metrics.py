@@ -3,8 +3,9 @@
 Three kinds of series, named so that nobody mistakes one for the other:
 
 - Read from the database at scrape time, so every worker answers the same: runs by
-  project and status, stored batches by project. Gauges, because deleting a run lowers
-  them.
+  project and status (a gauge: deleting a run lowers it). No count of stored batches:
+  it was a scan of every batch ever stored (20 M rows after a month of 1,000 runs), on
+  every scrape; the ingest counters below give the rate.
 - Per run (`ampwatch_run_*`, `ampwatch.server.run_metrics`), also from the database:
   loss scale, steps, skips, health, firing alerts, lag, the agent's dropped records, for
   running runs and recently ended ones.
@@ -25,11 +26,10 @@ hosts do not have.
 
 from __future__ import annotations
 
-import math
 import os
 import threading
 from collections import Counter
-from collections.abc import Awaitable, Callable, Iterable, MutableMapping
+from collections.abc import Awaitable, Callable, Iterable, Iterator, MutableMapping
 from datetime import datetime
 from typing import Any
 
@@ -37,10 +37,10 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import run_metrics
-from ampwatch.server.models import IngestedBatch, Run
+from ampwatch.server.exposition import escape, render_labels
+from ampwatch.server.exposition import family as _family
+from ampwatch.server.models import Run
 from ampwatch.server.schemas import BatchIn
-
-CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 
 #: Why an ingest request was refused, by HTTP status (`IngestCounters.record_rejection`).
 REJECTION_REASONS = {
@@ -114,31 +114,8 @@ class CountRejections:
         await self.app(scope, receive, counting_send)
 
 
-def _escape(value: str) -> str:
-    return value.replace("\\", "\\\\").replace('"', '\\"').replace("\n", "\\n")
-
-
-def format_value(value: float) -> str:
-    """A sample value as the text format writes it (`NaN`, `+Inf`, `-Inf`, else Python's
-    shortest round-tripping form)."""
-    if isinstance(value, int):
-        return str(value)
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "+Inf" if value > 0 else "-Inf"
-    return repr(float(value))
-
-
-def _family(
-    name: str, kind: str, help_text: str, samples: Iterable[tuple[dict[str, str], float]]
-) -> list[str]:
-    lines = [f"# HELP {name} {help_text}", f"# TYPE {name} {kind}"]
-    for labels, value in samples:
-        text = ",".join(f'{key}="{_escape(val)}"' for key, val in labels.items())
-        number = format_value(value)
-        lines.append(f"{name}{{{text}}} {number}" if text else f"{name} {number}")
-    return lines
+def _labelled(samples: Iterable[tuple[dict[str, str], float]]) -> Iterator[tuple[str, float]]:
+    return ((render_labels(labels), value) for labels, value in samples)
 
 
 def render(
@@ -158,35 +135,26 @@ def render(
         .where(*scoped)
         .group_by(Run.project, Run.status)
     ).all()
-    batches = session.execute(
-        select(Run.project, func.count())
-        .select_from(IngestedBatch)
-        .join(Run, Run.id == IngestedBatch.run_id)
-        .where(*scoped)
-        .group_by(Run.project)
-    ).all()
     per_run = run_metrics.collect(
         session, now=now, ended_window=ended_window, max_runs=max_runs, project=project
     )
     lines = [
         *_family("ampwatch_runs", "gauge", "Runs stored, by project and status.",
-                 (({"project": p, "status": s}, n) for p, s, n in runs)),
-        *_family("ampwatch_stored_batches", "gauge", "Batches stored, by project.",
-                 (({"project": p}, n) for p, n in batches)),
+                 _labelled(({"project": p, "status": s}, n) for p, s, n in runs)),
         *_family("ampwatch_metrics_runs_omitted", "gauge",
                  "Runs left out of the per-run series by AMPWATCH_METRICS_MAX_RUNS.",
-                 [({}, per_run.omitted)]),
+                 [("", per_run.omitted)]),
     ]  # fmt: skip
     for family in run_metrics.FAMILIES:
-        lines += _family(family.name, family.kind, family.help,
-                         run_metrics.family_samples(family, per_run.runs))  # fmt: skip
+        samples = run_metrics.family_samples(family, per_run.runs)
+        lines += _family(family.name, family.kind, family.help, samples)
     if project is None:
         lines += _process_counters(counters)
     return "\n".join(lines) + "\n"
 
 
 def _process_counters(counters: IngestCounters) -> list[str]:
-    pid = {"pid": str(os.getpid())}
+    pid = render_labels({"pid": str(os.getpid())})
     with counters._lock:
         return [
             *_family("ampwatch_ingest_batches_total", "counter",
@@ -201,5 +169,6 @@ def _process_counters(counters: IngestCounters) -> list[str]:
                      [(pid, counters.layer_values)]),
             *_family("ampwatch_ingest_rejected_total", "counter",
                      "Ingest requests this process refused, by reason.",
-                     (({**pid, "reason": r}, n) for r, n in sorted(counters.rejected.items()))),
+                     ((f'{pid},reason="{escape(r)}"', n)
+                      for r, n in sorted(counters.rejected.items()))),
         ]  # fmt: skip

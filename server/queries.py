@@ -5,10 +5,10 @@ from __future__ import annotations
 from typing import Any
 
 from sqlalchemy import ColumnElement, ScalarSelect, Select, Subquery, and_, func, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, aliased
 
 from ampwatch.agent.wire import DROPPED_KINDS, encode_float
-from ampwatch.server.models import Event, Health, Run, RunStatus, Step, StepRollup
+from ampwatch.server.models import Event, Health, Run, RunStatus, RunStepTotals, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas import (
     EventPublic,
@@ -28,30 +28,20 @@ def step_summary(run_ids: Select[Any] | None = None) -> tuple[Subquery, ScalarSe
     and its last loss scale (a scalar subquery correlated with `Run`), for the runs
     `run_ids` selects (every run when None).
 
-    From the step rollups (64 steps a row), not the steps: the runs list and every run
-    page refresh read this, and counting a 100k-step run's rows took ~60-200 ms here
-    against ~2 ms. Per rank, then the rank that reported most, so steps count once
-    however many ranks reported them (ranks share skips: one scaler decision).
+    From `run_step_totals`, a row per rank that ingest keeps (summing the step rollups
+    scanned a run's whole length on every list, run page refresh and scrape). The rank
+    that reported most, so steps count once however many ranks reported them (ranks
+    share skips: one scaler decision).
     """
-    per_rank_query = select(
-        StepRollup.run_id,
-        func.sum(StepRollup.step_count).label("counted"),
-        func.max(StepRollup.last_step).label("last_step"),
-        func.sum(StepRollup.skipped_count).label("skipped"),
+    query = select(
+        RunStepTotals.run_id,
+        func.max(RunStepTotals.steps).label("steps"),
+        func.max(RunStepTotals.last_step).label("last_step"),
+        func.max(RunStepTotals.skipped_steps).label("skipped_steps"),
     )
     if run_ids is not None:
-        per_rank_query = per_rank_query.where(StepRollup.run_id.in_(run_ids))
-    per_rank = per_rank_query.group_by(StepRollup.run_id, StepRollup.rank).subquery()
-    summary = (
-        select(
-            per_rank.c.run_id,
-            func.max(per_rank.c.counted).label("steps"),
-            func.max(per_rank.c.last_step).label("last_step"),
-            func.max(per_rank.c.skipped).label("skipped_steps"),
-        )
-        .group_by(per_rank.c.run_id)
-        .subquery()
-    )
+        query = query.where(RunStepTotals.run_id.in_(run_ids))
+    summary = query.group_by(RunStepTotals.run_id).subquery()
     last_loss_scale = (
         select(Step.loss_scale)
         .where(Step.run_id == Run.id, Step.step == summary.c.last_step)
@@ -78,28 +68,41 @@ def _runs_query() -> Select[Any]:
 
 
 def skip_rates(session: Session, run_ids: list[int] | Select[Any]) -> dict[int, float]:
-    """Skipped share over each run's last `SKIP_RATE_BUCKETS` rollups (one query, rollups
-    only), for the runs listed or selected by `run_ids`."""
+    """Skipped share over each run's last `SKIP_RATE_BUCKETS` rollups (one query), for the
+    runs listed or selected by `run_ids`: an index range of each rank's last rollups,
+    found from its `run_step_totals.last_step`, whatever the run's length."""
     if isinstance(run_ids, list) and not run_ids:
         return {}
-    latest = (
-        select(StepRollup.run_id, func.max(StepRollup.bucket_start).label("latest"))
-        .where(StepRollup.run_id.in_(run_ids))
-        .group_by(StepRollup.run_id)
+    # The run's latest rollup over all ranks starts at its last step's bucket; each rank's
+    # rows from 15 buckets before it are an index range (run_id, rank, bucket_start).
+    # GROUP BY keeps SQLite from flattening the subquery into a join that searches the
+    # rollups by run_id alone.
+    others = aliased(RunStepTotals)
+    run_last = select(func.max(others.last_step)).where(others.run_id == RunStepTotals.run_id)
+    window = (SKIP_RATE_BUCKETS - 1) * ROLLUP_WIDTH
+    cutoffs = (
+        select(
+            RunStepTotals.run_id,
+            RunStepTotals.rank,
+            (run_last.scalar_subquery() // ROLLUP_WIDTH * ROLLUP_WIDTH - window).label("cutoff"),
+        )
+        .where(RunStepTotals.run_id.in_(run_ids))
+        .group_by(RunStepTotals.run_id, RunStepTotals.rank)
         .subquery()
     )
-    window = (SKIP_RATE_BUCKETS - 1) * ROLLUP_WIDTH
     rows = session.execute(
         select(
             StepRollup.run_id,
             func.sum(StepRollup.skipped_count),
             func.sum(StepRollup.step_count),
         )
+        .select_from(cutoffs)
         .join(
-            latest,
+            StepRollup,
             and_(
-                latest.c.run_id == StepRollup.run_id,
-                StepRollup.bucket_start >= latest.c.latest - window,
+                StepRollup.run_id == cutoffs.c.run_id,
+                StepRollup.rank == cutoffs.c.rank,
+                StepRollup.bucket_start >= cutoffs.c.cutoff,
             ),
         )
         .group_by(StepRollup.run_id)

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import STEP_FLOAT_FIELDS
 from ampwatch.server.db import dialect_insert
-from ampwatch.server.models import Step, StepRollup
+from ampwatch.server.models import RunStepTotals, Step, StepRollup
 
 #: Steps per rollup bucket. 100k steps become ~1,600 rollup rows, a short scan; a batch of
 #: the agent's (up to 2,000 records) touches a few dozen buckets.
@@ -49,13 +49,23 @@ def step_aggregates() -> list[Any]:
 def refresh_step_rollups(
     session: Session, run_id: int, spans: Iterable[tuple[int, int, int]]
 ) -> None:
-    """Recompute the rollups covering steps `first..last` of `rank`, per (rank, first, last).
+    """Recompute the rollups covering steps `first..last` of `rank`, per (rank, first, last),
+    and move the run's `run_step_totals` by what the recomputed rollups changed.
 
     >>> refresh_step_rollups(session, run.id, [(0, 1, 2000)])  # doctest: +SKIP
     """
     for rank, first, last in spans:
         low = first // ROLLUP_WIDTH * ROLLUP_WIDTH
         high = last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1
+        counted = select(
+            func.coalesce(func.sum(StepRollup.step_count), 0),
+            func.coalesce(func.sum(StepRollup.skipped_count), 0),
+        ).where(
+            StepRollup.run_id == run_id,
+            StepRollup.rank == rank,
+            StepRollup.bucket_start.between(low, high),
+        )
+        steps_before, skipped_before = session.execute(counted).one()
         bucket = (Step.step // ROLLUP_WIDTH) * ROLLUP_WIDTH
         recomputed = (
             select(Step.run_id, Step.rank, bucket, *step_aggregates(), func.count())
@@ -71,3 +81,30 @@ def refresh_step_rollups(
                 set_={name: statement.excluded[name] for name in (*ROLLUP_COLUMNS, "step_count")},
             )
         )
+        steps_after, skipped_after = session.execute(counted).one()
+        _add_totals(session, run_id, rank, steps=int(steps_after - steps_before),
+                    skipped=int(skipped_after - skipped_before), last_step=last)  # fmt: skip
+
+
+def _add_totals(
+    session: Session, run_id: int, rank: int, *, steps: int, skipped: int, last_step: int
+) -> None:
+    """Add to a (run, rank)'s totals, created at the first batch; its last step only rises
+    (steps are never deleted apart from their run). The caller holds the run's lock."""
+    insert = dialect_insert(session, RunStepTotals).values(
+        run_id=run_id, rank=rank, steps=steps, skipped_steps=skipped, last_step=last_step
+    )
+    table = RunStepTotals.__table__.c
+    session.execute(
+        insert.on_conflict_do_update(
+            index_elements=["run_id", "rank"],
+            set_={
+                "steps": table.steps + insert.excluded.steps,
+                "skipped_steps": table.skipped_steps + insert.excluded.skipped_steps,
+                "last_step": case(
+                    (insert.excluded.last_step > table.last_step, insert.excluded.last_step),
+                    else_=table.last_step,
+                ),
+            },
+        )
+    )

@@ -25,6 +25,7 @@ from sqlalchemy import Select, case, func, or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import DROPPED_KINDS
+from ampwatch.server.exposition import render_labels
 from ampwatch.server.models import HEALTHS, Alert, Run
 from ampwatch.server.queries import skip_rates, step_summary
 
@@ -48,9 +49,8 @@ class RunSample:
     #: (rule, severity) -> firing alerts (one per layer for layer rules).
     firing: dict[tuple[str, str], int] = field(default_factory=dict)
 
-    @property
-    def labels(self) -> dict[str, str]:
-        return {"project": self.project, "run": self.name, "run_id": str(self.run_id)}
+    #: `project`, `run`, `run_id` as the exposition writes them, rendered once per scrape.
+    label_text: str = ""
 
 
 @dataclass(frozen=True)
@@ -83,14 +83,20 @@ def collect(
     RunSamples(runs=[RunSample(run_id=1, ...)], omitted=0)
     """
     candidates = _scraped_runs(now, ended_window, project)
-    total = session.scalar(select(func.count()).select_from(candidates.subquery())) or 0
     running_first = case((Run.status == "running", 0), else_=1)
-    chosen = (
-        candidates.order_by(running_first, Run.last_seen_at.desc(), Run.id.desc())
-        .limit(max_runs)
-        .scalar_subquery()
+    ids = list(
+        session.scalars(
+            candidates.order_by(running_first, Run.last_seen_at.desc(), Run.id.desc()).limit(
+                max_runs
+            )
+        )
     )
-    chosen_ids = select(Run.id).where(Run.id.in_(chosen))
+    total = len(ids)
+    if total == max_runs:  # the cap may have left some out
+        total = session.scalar(select(func.count()).select_from(candidates.subquery())) or 0
+    if not ids:
+        return RunSamples(runs=[], omitted=total)
+    chosen_ids = select(Run.id).where(Run.id.in_(ids))
     summary, last_loss_scale = step_summary(chosen_ids)
     rows = session.execute(
         select(
@@ -100,14 +106,14 @@ def collect(
             last_loss_scale,
         )
         .outerjoin(summary, summary.c.run_id == Run.id)
-        .where(Run.id.in_(chosen))
+        .where(Run.id.in_(ids))
         .order_by(Run.id)
     ).all()  # fmt: skip
-    ratios = skip_rates(session, chosen_ids)
+    ratios = skip_rates(session, ids)
     firing: dict[int, dict[tuple[str, str], int]] = {}
     for run_id, rule, severity, count in session.execute(
         select(Alert.run_id, Alert.rule, Alert.severity, func.count())
-        .where(Alert.status == "firing", Alert.run_id.in_(chosen))
+        .where(Alert.status == "firing", Alert.run_id.in_(ids))
         .group_by(Alert.run_id, Alert.rule, Alert.severity)
     ):
         firing.setdefault(run_id, {})[(rule, severity)] = count
@@ -138,15 +144,18 @@ def _sample(
         skip_ratio=ratios.get(run_id),
         dropped={kind: int(count or 0) for kind, count in dropped.items()},
         firing=firing.get(run_id, {}),
+        label_text=render_labels({"project": project, "run": name, "run_id": str(run_id)}),
     )
 
 
-Sample = tuple[dict[str, str], float]
+Sample = tuple[str, float]
+_DROPPED_LABELS = {kind: render_labels({"kind": kind}) for kind in DROPPED_KINDS}
 
 
 @dataclass(frozen=True)
 class Family:
-    """A per-run series family: `samples(run)` gives its extra labels and values."""
+    """A per-run series family: `samples(run)` gives its own labels (rendered text, empty
+    for none) and values."""
 
     name: str
     kind: str
@@ -156,7 +165,7 @@ class Family:
 
 def _value(get: Callable[[RunSample], float | None]) -> Callable[[RunSample], list[Sample]]:
     """A family with one sample per run, none where `get` is None."""
-    return lambda run: [] if (value := get(run)) is None else [({}, value)]
+    return lambda run: [] if (value := get(run)) is None else [("", value)]
 
 
 #: Every per-run family, in exposition order (labels project, run, run_id, then extras).
@@ -184,17 +193,18 @@ FAMILIES: tuple[Family, ...] = (
            _value(lambda run: run.health)),
     Family("ampwatch_run_alerts_firing", "gauge",
            "Alerts firing for the run, by rule and severity (one per layer for layer rules).",
-           lambda run: [({"rule": rule, "severity": severity}, count)
+           lambda run: [(render_labels({"rule": rule, "severity": severity}), count)
                         for (rule, severity), count in sorted(run.firing.items())]),
     Family("ampwatch_run_agent_dropped_total", "counter",
            "Records the run's agent dropped rather than block training, by kind.",
-           lambda run: [({"kind": kind}, count) for kind, count in run.dropped.items()]),
+           lambda run: [(_DROPPED_LABELS[kind], count) for kind, count in run.dropped.items()]),
 )  # fmt: skip
 
 
-def family_samples(family: Family, runs: list[RunSample]) -> Iterator[Sample]:
-    """`family`'s samples over `runs`, each labelled by its run."""
+def family_samples(family: Family, runs: list[RunSample]) -> Iterator[tuple[str, float]]:
+    """`family`'s samples over `runs` as (label text, value): each run's labels, rendered
+    once per run, then the family's own."""
     for run in runs:
-        labels = run.labels
+        own = run.label_text
         for extra, value in family.samples(run):
-            yield ({**labels, **extra} if extra else labels), value
+            yield (f"{own},{extra}" if extra else own), value

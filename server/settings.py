@@ -105,6 +105,7 @@ class Settings(BaseSettings):
     metrics_max_runs: int = Field(
         default=2000,
         ge=0,
+        le=10_000,  # their ids travel as bound parameters (SQLite allows 32,766)
         description="Most runs with per-run series on /metrics (~11 series each): running "
         "runs first, then the most recently seen; ampwatch_metrics_runs_omitted counts the "
         "rest.",

@@ -7,6 +7,7 @@ from fastapi.responses import PlainTextResponse
 
 from ampwatch.server import metrics
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.exposition import CONTENT_TYPE
 from ampwatch.server.models import utcnow
 
 router = APIRouter(tags=["metrics"])
@@ -15,7 +16,7 @@ router = APIRouter(tags=["metrics"])
 @router.get(
     "/metrics",
     # No response_class: it would document the JSON 401/403 answers as text/plain too.
-    responses={200: {"content": {metrics.CONTENT_TYPE: {}}}, **NOT_YOURS},
+    responses={200: {"content": {CONTENT_TYPE: {}}}, **NOT_YOURS},
 )
 def scrape(
     request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
@@ -30,4 +31,4 @@ def scrape(
         max_runs=settings.metrics_max_runs,
         project=principal.project,
     )
-    return PlainTextResponse(text, media_type=metrics.CONTENT_TYPE)
+    return PlainTextResponse(text, media_type=CONTENT_TYPE)
