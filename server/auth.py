@@ -11,8 +11,9 @@ token (`AMPWATCH_ADMIN_TOKEN`, or a stored token without project) may do everyth
 A stored token also has a scope (`GRANTS`): `write` (the default) reads and writes,
 `read` only reads (what a dashboard needs), `metrics` only scrapes `/metrics` (what a
 Prometheus needs), each within its project, or every project when made without one.
-What a request needs follows from its route (`required_access`): `/metrics` needs
-`metrics`, other GETs `read`, every other method `write`. In
+What a request needs follows from its route (`required_access`): what the route declares
+in its OpenAPI operation (`ACCESS_EXTRA`; `/metrics` declares `metrics`), else `read` for
+a GET and `write` for every other method. In
 `auth="auto"` mode the collector trusts every caller while no credential exists at all
 and it listens on loopback only, as PostgreSQL trusts its local socket: only processes on
 this machine can connect. Every decision reads the database, never process memory, so
@@ -46,7 +47,9 @@ TOKEN_SCHEME = "aw"
 DEFAULT_PROJECT = "default"
 _LOOPBACK_NAMES = frozenset({"localhost"})
 DEFAULT_SCOPE: TokenScope = "write"
-METRICS_PATH = "/metrics"
+#: The OpenAPI extension in which a route declares the access it needs (`openapi_extra`),
+#: where its method does not say it: `{ACCESS_EXTRA: "metrics"}` on the scrape target.
+ACCESS_EXTRA = "x-ampwatch-access"
 
 #: What each token scope grants: kinds of access, each a route's `required_access`.
 GRANTS: dict[str, frozenset[str]] = {
@@ -66,15 +69,15 @@ class AuthError(Exception):
         self.message = message
 
 
-def required_access(method: str, route_path: str) -> str:
-    """The access a request needs: `metrics` for the scrape target, `read` for other
-    GETs, `write` for everything else (a GET never changes anything here).
+def required_access(method: str, declared: str | None = None) -> str:
+    """The access a request needs: what its route `declared` (`ACCESS_EXTRA`), else
+    `read` for a GET and `write` for everything else (a GET never changes anything here).
 
-    >>> required_access("POST", "/api/v1/ingest")
-    'write'
+    >>> required_access("POST"), required_access("GET"), required_access("GET", "metrics")
+    ('write', 'read', 'metrics')
     """
-    if route_path == METRICS_PATH:
-        return "metrics"
+    if declared is not None:
+        return declared
     return "read" if method.upper() in _READ_METHODS else "write"
 
 

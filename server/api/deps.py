@@ -9,7 +9,13 @@ from fastapi import Depends, HTTPException, Request
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from ampwatch.server.auth import Principal, required_access, resolve_principal, run_project
+from ampwatch.server.auth import (
+    ACCESS_EXTRA,
+    Principal,
+    required_access,
+    resolve_principal,
+    run_project,
+)
 from ampwatch.server.schemas import MAX_INT, ErrorPublic
 from ampwatch.server.settings import Settings
 
@@ -58,7 +64,8 @@ def get_principal(
     Uses a session of its own, closed before the endpoint runs, so that an endpoint that
     writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
-    access = required_access(request.method, request.scope["route"].path)
+    declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
+    access = required_access(request.method, declared)
     with request.app.state.sessionmaker() as session:
         return resolve_principal(
             session, settings, request.headers.get("authorization"), access=access

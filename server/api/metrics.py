@@ -7,6 +7,7 @@ from fastapi.responses import PlainTextResponse
 
 from ampwatch.server import metrics
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.auth import ACCESS_EXTRA
 from ampwatch.server.exposition import CONTENT_TYPE
 from ampwatch.server.models import utcnow
 
@@ -17,6 +18,7 @@ router = APIRouter(tags=["metrics"])
     "/metrics",
     # No response_class: it would document the JSON 401/403 answers as text/plain too.
     responses={200: {"content": {CONTENT_TYPE: {}}}, **NOT_YOURS},
+    openapi_extra={ACCESS_EXTRA: "metrics"},  # a `metrics` token may call it (auth.GRANTS)
 )
 def scrape(
     request: Request, session: SessionDep, principal: PrincipalDep, settings: SettingsDep
