@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo serve test setup browser
+.PHONY: demo serve test setup browser prometheus
 
 demo: setup
 	$(BIN)/ampwatch demo
@@ -14,7 +14,7 @@ demo: setup
 serve: setup
 	$(BIN)/ampwatch serve
 
-test: setup browser
+test: setup browser prometheus
 	$(BIN)/pytest
 
 setup: $(VENV)/.installed
@@ -42,3 +42,11 @@ browser:
 	@command -v chromium >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
 		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq chromium chromium-driver >/dev/null; } \
 		|| echo "chromium is not installed: the browser tests will skip"
+
+# The Prometheus tests (a real Prometheus scraping a collector; promtool on the exposition
+# and on deploy/prometheus's rules) use Debian's prometheus package, installed here as
+# chromium is above; without it they skip with that reason.
+prometheus:
+	@command -v prometheus >/dev/null 2>&1 || { [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null 2>&1 \
+		&& apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq prometheus >/dev/null; } \
+		|| echo "prometheus is not installed: the Prometheus tests will skip"

@@ -96,6 +96,28 @@ def test_compose_structure_matches_the_deployment() -> None:
     assert "http://collector:8765" in dashboard["command"]
 
 
+def test_compose_monitoring_profile_is_off_by_default_and_wired_to_deploy() -> None:
+    """Prometheus and Grafana start only with --profile monitoring; what they mount is in
+    deploy/, and Prometheus reads its scrape token from the secret compose mounts."""
+    compose = _compose()
+    services = compose["services"]
+    monitoring = {name for name, svc in services.items() if svc.get("profiles")}
+    assert monitoring == {"prometheus", "grafana"}
+    assert all(services[name]["profiles"] == ["monitoring"] for name in monitoring)
+    for name in monitoring:
+        for volume in services[name]["volumes"]:
+            source = volume.split(":")[0]
+            if source.startswith("./"):
+                assert (ROOT / source).exists(), (name, source)
+        assert all(port.startswith("127.0.0.1:") for port in services[name]["ports"])
+    config = yaml.safe_load((ROOT / "deploy" / "prometheus" / "prometheus.yml").read_text())
+    (job,) = config["scrape_configs"]
+    (secret,) = services["prometheus"]["secrets"]
+    assert job["authorization"]["credentials_file"] == f"/run/secrets/{secret}"
+    assert compose["secrets"][secret] == {"environment": "PROMETHEUS_AMPWATCH_TOKEN"}
+    assert job["static_configs"][0]["targets"] == ["collector:8765"]
+
+
 def test_compose_configures_only_real_settings_and_takes_secrets_from_the_environment() -> None:
     """Every AMPWATCH_* variable the collector and migration get is a Settings field, and
     no secret is written in the file (each comes from the environment, `${...}`)."""
