@@ -12,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "query.py"])
+@pytest.mark.parametrize("script", ["ingest.py", "query.py", "metrics.py"])
 def test_bench_quick_runs_and_reports(script: str) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), "--quick", "--backend", "sqlite"],
@@ -23,6 +23,8 @@ def test_bench_quick_runs_and_reports(script: str) -> None:
     assert "Traceback" not in done.stderr
     if script == "ingest.py":
         assert "zero loss" in done.stdout, done.stdout
+    elif script == "metrics.py":
+        assert "/metrics median" in done.stdout, done.stdout
     else:
         assert "heatmap" in done.stdout, done.stdout
 
