@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 from alert_feed import Feed
 from scraped import parse, promtool, scrape, series, value
-from sqlalchemy import case, func, select, update
+from sqlalchemy import case, func, select, text, update
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
@@ -168,3 +168,31 @@ def test_the_skip_ratio_covers_the_last_16_rollups_of_a_long_run(feed: Feed) -> 
     with feed.sessions() as session:
         rates = queries.skip_rates(session, [feed.run().id])
     assert rates == {feed.run().id: pytest.approx(expected)}
+
+
+def test_0008_sums_the_totals_of_existing_runs(db_url: str) -> None:
+    """Runs stored before revision 0008 get their step totals from their rollups."""
+    from ampwatch.server.migrate import upgrade
+
+    upgrade(db_url, "0006")
+    engine = make_engine(db_url)
+    try:
+        with engine.begin() as connection:
+            connection.execute(text(
+                "INSERT INTO runs (id, client_run_id, name, project, status, created_at,"
+                " last_seen_at, dropped_steps, dropped_layer_stats, dropped_events, health)"
+                " VALUES (1, 'r', 'r', 'default', 'running', CURRENT_TIMESTAMP,"
+                " CURRENT_TIMESTAMP, 0, 0, 0, 'ok')"))  # fmt: skip
+            for rank, start, last, count, skipped in ((0, 0, 63, 63, 2), (0, 64, 100, 37, 1),
+                                                      (1, 0, 40, 40, 2)):  # fmt: skip
+                connection.execute(text(
+                    "INSERT INTO step_rollups (run_id, rank, bucket_start, first_step, last_step,"
+                    " skipped_count, step_count) VALUES (1, :r, :b, :b, :l, :s, :c)"),
+                    {"r": rank, "b": start, "l": last, "s": skipped, "c": count})  # fmt: skip
+        upgrade(db_url)
+        with engine.connect() as connection:
+            totals = connection.execute(text(
+                "SELECT rank, steps, skipped_steps, last_step FROM run_step_totals ORDER BY rank"))
+            assert [tuple(row) for row in totals] == [(0, 100, 3, 100), (1, 40, 2, 40)]
+    finally:
+        engine.dispose()
