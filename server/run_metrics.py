@@ -30,7 +30,8 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import DROPPED_KINDS
 from ampwatch.server.exposition import render_labels
 from ampwatch.server.models import HEALTHS, Alert, Run
-from ampwatch.server.queries import skip_rates, step_summary
+from ampwatch.server.queries import SKIP_RATE_BUCKETS, skip_rates, step_summary
+from ampwatch.server.rollups import ROLLUP_WIDTH
 
 
 @dataclass(frozen=True)
@@ -189,7 +190,8 @@ FAMILIES: tuple[Family, ...] = (
            "Optimizer steps the loss scaler skipped (Inf/NaN gradients).",
            _value(lambda run: run.skipped_steps)),
     Family("ampwatch_run_skip_ratio", "gauge",
-           "Skipped share of the run's last 1,024 steps or fewer (the runs list's skip_rate).",
+           f"Skipped share of the run's last {SKIP_RATE_BUCKETS * ROLLUP_WIDTH:,} steps or "
+           "fewer (the runs list's skip_rate).",
            _value(lambda run: run.skip_ratio)),
     Family("ampwatch_run_health", "gauge",
            "Worst firing alert's severity: 0 ok, 1 warning, 2 critical.",
