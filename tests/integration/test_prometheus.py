@@ -176,8 +176,11 @@ def test_prometheus_scrapes_the_loss_scale_and_a_firing_alert_while_an_agent_tra
                    flush_interval=0.2) as handle:  # fmt: skip
             selector = 'run="prom-e2e",project="vision"'
 
-            _train_until(trainer, lambda: prometheus.value(
-                f"ampwatch_run_loss_scale{{{selector}}}") == 1024.0, "the healthy loss scale")
+            _train_until(
+                trainer,
+                lambda: prometheus.value(f"ampwatch_run_loss_scale{{{selector}}}") == 1024.0,
+                "the healthy loss scale",
+            )
             assert prometheus.value('up{job="ampwatch"}') == 1.0
             assert prometheus.value(f"ampwatch_run_health{{{selector}}}") == 0.0
             assert not prometheus.query("ampwatch_run_alerts_firing")
@@ -188,8 +191,11 @@ def test_prometheus_scrapes_the_loss_scale_and_a_firing_alert_while_an_agent_tra
                         f'severity="critical"}}')  # fmt: skip
             _train_until(trainer, lambda: prometheus.value(collapse) == 1.0,
                          "the firing loss_scale_collapse alert")  # fmt: skip
-            _train_until(trainer, lambda: prometheus.value(
-                f"ampwatch_run_loss_scale{{{selector}}}") == 0.25, "the collapsed loss scale")
+            _train_until(
+                trainer,
+                lambda: prometheus.value(f"ampwatch_run_loss_scale{{{selector}}}") == 0.25,
+                "the collapsed loss scale",
+            )
             assert prometheus.value(f"ampwatch_run_health{{{selector}}}") == 2.0
             skipped = prometheus.value(f"ampwatch_run_skipped_steps_total{{{selector}}}")
             assert skipped == 12.0

@@ -191,8 +191,11 @@ def test_0008_sums_the_totals_of_existing_runs(db_url: str) -> None:
                     {"r": rank, "b": start, "l": last, "s": skipped, "c": count})  # fmt: skip
         upgrade(db_url)
         with engine.connect() as connection:
-            totals = connection.execute(text(
-                "SELECT rank, steps, skipped_steps, last_step FROM run_step_totals ORDER BY rank"))
+            totals = connection.execute(
+                text(
+                    "SELECT rank, steps, skipped_steps, last_step FROM run_step_totals ORDER BY rank"
+                )
+            )
             assert [tuple(row) for row in totals] == [(0, 100, 3, 100), (1, 40, 2, 40)]
     finally:
         engine.dispose()
