@@ -11,13 +11,13 @@ been up for months. The rows are written directly (ingesting 10 M steps would ta
 minutes and measure ingest, which `bench/ingest.py` does); the scrape goes over HTTP to
 `ampwatch serve` in a subprocess, as Prometheus's would.
 
-Measured 2026-12-01 on the 2-core machine while four other sessions ran their tests
-(load average 6-10), default arguments, 30-40 scrapes a round, four rounds:
-SQLite median 52-97 ms, fastest 33-52 ms; PostgreSQL median 70-120 ms, fastest
-44-84 ms (11,207 series). In-process (`metrics.render`, best of 15) SQLite takes 30 ms:
-~15 ms of SQL, the rest Python. With 100,000-step runs the figures stay within that
-spread (SQLite fastest 66 ms, PostgreSQL 68 ms, in the most loaded round): no query
-reads a run's length. The bar is not shown on a machine this loaded; rerun it on a quiet one.
+Measured 2026-12-01 on the 2-core machine shared with four other sessions' tests,
+default arguments, 30-40 scrapes a round (11,207 series). At load average 4-4.4 (three
+rounds): SQLite median 35.4 / 36.5 ms, PostgreSQL 42.6 / 69.7 ms; with 100,000-step runs
+SQLite 45.7 ms, PostgreSQL 43.7 ms (no query reads a run's length). At load average 6-10
+(four rounds): SQLite median 52-97 ms, fastest 33-52 ms; PostgreSQL median 70-120 ms,
+fastest 44-84 ms. In-process (`metrics.render`, best of 15) SQLite takes 30 ms: ~15 ms
+of SQL, the rest Python.
 """
 
 from __future__ import annotations
