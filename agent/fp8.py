@@ -14,9 +14,11 @@ Semantics (one home: `quantisation_counts`; the tests check them against torch's
 - A tensor is viewed as 2-D (rows = every leading dim, columns = the last: a weight's input
   channels, an activation's channels). `tensor`: one scale. `tile`: 1x128 along a row
   (DeepSeek-V3's activations). `block`: 128x128 (DeepSeek-V3's weights). `mx`: 1x32 along a
-  row with an E8M0 (power-of-two) scale, OCP MX: 2^(floor(log2 amax) - emax) with emax 8 for
-  E4M3 and 15 for E5M2, the shared exponent clamped to [-127, 127]. A row or column that
-  does not fill its last group makes a smaller group (as zero padding would).
+  row with an E8M0 (power-of-two) scale 2^e, e the smallest integer with amax <= fmax * 2^e
+  (clamped to [-127, 127]): the scale rounded up, as Transformer Engine's MXFP8 quantiser
+  does, so nothing saturates; OCP MX's floor(log2 amax) - emax rule would clip the top
+  ~0.4% of Gaussian data. A row or column that does not fill its last group makes a smaller
+  group (as zero padding would).
 - Current scaling (tensor, tile, block): scale s = fmax / amax in float32 (amax of the
   group; s = 1 for an all-zero group), as Transformer Engine's current scaling and
   DeepSeek-V3's `amax / 448` do. y = |x| * s in float32, then a saturating cast.
@@ -53,10 +55,10 @@ from ampwatch.agent import wire
 #: rest of the agent; FP8 readiness drifts over thousands of steps, not tens.
 DEFAULT_EVERY = 100
 
-#: name -> (torch dtype, largest finite value, largest normal exponent emax).
+#: name -> (torch dtype, largest finite value fmax, E with fmax = 0.875 * 2^E).
 FORMATS: dict[str, tuple[torch.dtype, float, int]] = {
-    "e4m3": (torch.float8_e4m3fn, 448.0, 8),
-    "e5m2": (torch.float8_e5m2, 57344.0, 15),
+    "e4m3": (torch.float8_e4m3fn, 448.0, 9),
+    "e5m2": (torch.float8_e5m2, 57344.0, 16),
 }
 #: y (float32, >= 0) casts to 0 iff y <= half the smallest subnormal (the tie rounds to
 #: even, i.e. to 0): 2^-10 for E4M3 (subnormals from 2^-9), 2^-17 for E5M2 (from 2^-16).
@@ -116,12 +118,16 @@ def group_scales(amax: torch.Tensor, fmt: str, scaling: str) -> torch.Tensor:
 
     >>> group_scales(torch.tensor([2.0, 0.0, 600.0]), "e4m3", "mx")
     tensor([128.0000,   1.0000,   0.5000])
+    >>> group_scales(torch.tensor([3.6]), "e4m3", "mx")  # 3.6 * 128 > 448: rounded up
+    tensor([64.])
     """
-    _, fmax, emax = FORMATS[fmt]
+    _, fmax, top = FORMATS[fmt]
     positive = amax > 0
     if scaling == "mx":
-        # floor(log2 amax) exactly: frexp gives amax = m * 2^e with m in [0.5, 1).
-        shared = (torch.frexp(amax).exponent - 1 - emax).clamp_(_E8M0_MIN, _E8M0_MAX)
+        # Exactly, with amax = m * 2^e (m in [0.5, 1)): amax <= 0.875 * 2^(top + s) iff
+        # s >= e - top, plus one when m > 0.875.
+        mantissa, exponent = torch.frexp(amax)
+        shared = (exponent - top + (mantissa > 0.875).int()).clamp_(_E8M0_MIN, _E8M0_MAX)
         scale = torch.ldexp(torch.ones_like(amax), -shared)
     else:
         # A true division (`fmax / tensor` would multiply by a rounded reciprocal).

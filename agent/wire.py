@@ -99,11 +99,13 @@ FP8_STATS: Final = tuple(
 #: FP8 recipes a run may declare (`watch(fp8_recipe=...)`, sent in run_start) and the
 #: readiness view judges: role -> (format, scaling).
 #:   per_tensor  current per-tensor scaling, E4M3 forward / E5M2 gradients (TE's HYBRID)
+#:   tile_1x128  1x128 tiles on every tensor, E4M3 throughout (row-wise scaling)
 #:   blockwise   DeepSeek-V3: 128x128 weight blocks, 1x128 tiles elsewhere, E4M3 throughout
 #:   mxfp8       MX 1x32 blocks with E8M0 scales, E4M3 throughout (TE's MXFP8 default)
 FP8_RECIPES: Final[dict[str, dict[str, tuple[str, str]]]] = {
     "per_tensor": {"weight": ("e4m3", "tensor"), "act": ("e4m3", "tensor"),
                    "grad": ("e5m2", "tensor")},
+    "tile_1x128": {"weight": ("e4m3", "tile"), "act": ("e4m3", "tile"), "grad": ("e4m3", "tile")},
     "blockwise": {"weight": ("e4m3", "block"), "act": ("e4m3", "tile"),
                   "grad": ("e4m3", "tile")},
     "mxfp8": {"weight": ("e4m3", "mx"), "act": ("e4m3", "mx"), "grad": ("e4m3", "mx")},
