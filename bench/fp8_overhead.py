@@ -27,10 +27,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from agent_overhead import SIZES, _setup, _train_step  # noqa: E402
+from agent_overhead import SIZES, _setup, _train_step
 
-from ampwatch.agent import watch  # noqa: E402
-from ampwatch.agent.fp8 import DEFAULT_EVERY, Fp8Monitor, quantisation_counts  # noqa: E402
+from ampwatch.agent import watch
+from ampwatch.agent.fp8 import DEFAULT_EVERY, Fp8Monitor, quantisation_counts
 
 TENSOR_SIZES = ((256, 256), (1024, 256), (1024, 1024), (4096, 1024), (4096, 4096))
 MODES = ("bare", "agent", "defaults")
@@ -103,7 +103,7 @@ def main() -> None:
                              to_host=lambda t: (t.to("cpu"), None))
         _train_step(loop, 0)
         linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
-        sample = _median_seconds(lambda: monitor._sample(1), args.calls, args.device)
+        sample = _median_seconds(lambda m=monitor: m._sample(1), args.calls, args.device)
         blocks: dict[str, list[float]] = {m: [] for m in MODES}
         for _ in range(rounds):
             order = list(MODES)

@@ -10,42 +10,24 @@ from typing import Any
 
 import httpx
 import torch
+from fp8_scenario import SAMPLED, train_outlier_run
 from torch import nn
 
 from ampwatch.agent import watch, wire
 from ampwatch.agent.transport import http_transport
 
-OUTLIER_ROWS = [3, 70, 200]
-
-
-def _outlier_model() -> nn.Module:
-    """Layer 0 is ordinary; layer 2 has three output channels 2^22 times the others."""
-    torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(64, 160), nn.ReLU(), nn.Linear(160, 256))
-    with torch.no_grad():
-        model[2].weight[OUTLIER_ROWS] *= 2.0**22
-    return model
-
 
 def test_outlier_channels_need_finer_scaling_and_a_plain_layer_fits_every_recipe(
     db_url: str, start_collector: Callable[..., AbstractContextManager[Any]]
 ) -> None:
-    model = _outlier_model()
-    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     with start_collector(db_url, dashboard=False) as live:
-        with watch(model, optimizer, transport=http_transport(live.url), run_id="fp8",
-                   fp8_stats_every=3, fp8_recipe="per_tensor", flush_interval=0.05):  # fmt: skip
-            for _ in range(7):
-                loss = model(torch.randn(32, 64)).mean()
-                loss.backward()
-                optimizer.step()
-                optimizer.zero_grad()
+        train_outlier_run(live.url)
         with httpx.Client(base_url=f"{live.url}/api/v1", timeout=30) as http:
             (run,) = http.get("/runs").json()["runs"]
             answer = http.get(f"/runs/{run['id']}/fp8-readiness").json()
             advice = http.get(f"/runs/{run['id']}/loss-scale-advice").json()
 
-    assert answer["step"] == 7 and answer["steps"] == [1, 4, 7]
+    assert answer["step"] == 7 and answer["steps"] == SAMPLED
     assert answer["declared_recipe"] == "per_tensor"
     assert answer["summary"] == {"fits": 1, "needs_finer_scaling": 1, "keep_bf16": 0}
     worst, plain = answer["layers"]
