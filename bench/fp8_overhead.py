@@ -60,25 +60,44 @@ def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], .
               f"{seconds * 1e3:.2f} ms  ({seconds / (rows * cols) * 1e9:.1f} ns/value)")
 
 
-def _block(loop: tuple, steps: int, mode: str, device: str) -> float:
+def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT_EVERY
+           ) -> tuple[float, float]:
+    """(wall, process CPU) seconds of `steps` steps; the watched block's step 1 samples.
+    CPU time counts every thread of this process (the sender's too) and nothing of the
+    other processes on a shared host."""
     model, optimizer, scaler, _ = loop
     handle = None
     if mode != "bare":
         handle = watch(model, optimizer, scaler, transport=lambda body, headers: 200,
-                       fp8_stats_every=DEFAULT_EVERY if mode == "defaults" else None)
-    started = time.perf_counter()
-    for step in range(steps):  # the watched block's step 1 is its sampled step
+                       fp8_stats_every=every if mode == "defaults" else None)
+    wall, cpu = time.perf_counter(), time.process_time()
+    for step in range(steps):
         _train_step(loop, step)
     _sync(device)
-    seconds = time.perf_counter() - started
     if handle is not None:
-        handle.detach()
-    return seconds
+        handle.detach()  # the sender's work on this block's records, inside the timing
+    return time.perf_counter() - wall, time.process_time() - cpu
+
+
+def sampled_step_extra(loop: tuple, pairs: int, steps: int, device: str
+                       ) -> dict[str, float]:
+    """Median extra seconds per step of sampling FP8 every step (activations included)
+    over the agent without FP8, from interleaved pairs of short blocks."""
+    extra: dict[str, list[float]] = {"wall": [], "cpu": []}
+    rng = random.Random(1)
+    for _ in range(pairs):
+        order = ["defaults", "agent"]
+        rng.shuffle(order)
+        got = {mode: _block(loop, steps, mode, device, every=1) for mode in order}
+        for i, clock in enumerate(("wall", "cpu")):
+            extra[clock].append((got["defaults"][i] - got["agent"][i]) / steps)
+    return {clock: statistics.median(values) for clock, values in extra.items()}
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--rounds", type=int, default=4)
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of M-step blocks")
+    parser.add_argument("--pairs", type=int, default=8, help="pairs for the sampled-step cost")
     parser.add_argument("--calls", type=int, default=5)
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--device", default="cpu")
@@ -104,22 +123,31 @@ def main() -> None:
         _train_step(loop, 0)
         linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
         sample = _median_seconds(lambda m=monitor: m._sample(1), args.calls, args.device)
-        blocks: dict[str, list[float]] = {m: [] for m in MODES}
+        extra = sampled_step_extra(loop, 2 if args.quick else args.pairs, 3, args.device)
+        blocks: dict[str, list[tuple[float, float]]] = {m: [] for m in MODES}
         for _ in range(rounds):
             order = list(MODES)
             rng.shuffle(order)
             for mode in order:
                 blocks[mode].append(_block(loop, steps, mode, args.device))
-        bare = statistics.median(blocks["bare"]) / steps
-        print(f"\n{size}: {linears} Linear layers; bare step {bare * 1e3:.2f} ms; one sample "
-              f"(weights + gradients, no activations) {sample * 1e3:.1f} ms "
-              f"= {sample / bare:.2f} steps")
-        for mode in ("agent", "defaults"):
-            ratios = [b / a for b, a in zip(blocks[mode], blocks["bare"], strict=True)]
-            print(f"  {mode:8s} / bare  median {statistics.median(ratios):.3f}  "
-                  f"rounds {[round(r, 3) for r in ratios]}")
-        extra = [d / a for d, a in zip(blocks["defaults"], blocks["agent"], strict=True)]
-        print(f"  defaults / agent median {statistics.median(extra):.3f} (what FP8 adds)")
+        bare = {c: statistics.median(b[i] for b in blocks["bare"]) / steps
+                for i, c in enumerate(("wall", "cpu"))}  # fmt: skip
+        print(f"\n{size}: {linears} Linear layers; bare step {bare['wall'] * 1e3:.2f} ms "
+              f"(CPU {bare['cpu'] * 1e3:.2f} ms); one sample of weights + gradients "
+              f"{sample * 1e3:.1f} ms = {sample / bare['wall']:.2f} steps")
+        for clock in ("wall", "cpu"):
+            derived = 1 + extra[clock] / (DEFAULT_EVERY * bare[clock])
+            print(f"  {clock}: a sampled step costs {extra[clock] * 1e3:.1f} ms more "
+                  f"(activations included) = {extra[clock] / bare[clock]:.2f} steps; at "
+                  f"M = {DEFAULT_EVERY}: step-time ratio {derived:.4f} (derived)")
+        for i, clock in enumerate(("wall", "cpu")):
+            for mode in ("agent", "defaults"):
+                ratios = [b[i] / a[i] for b, a in zip(blocks[mode], blocks["bare"], strict=True)]
+                print(f"  {clock} {mode:8s} / bare median {statistics.median(ratios):.3f}  "
+                      f"rounds {[round(r, 3) for r in ratios]}")
+            added = [d[i] / a[i] for d, a in zip(blocks["defaults"], blocks["agent"], strict=True)]
+            print(f"  {clock} defaults / agent median {statistics.median(added):.3f} "
+                  "(what FP8 adds, measured)")
 
 
 if __name__ == "__main__":
