@@ -63,8 +63,9 @@ def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], .
 def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT_EVERY
            ) -> tuple[float, float]:
     """(wall, process CPU) seconds of `steps` steps; the watched block's step 1 samples.
-    CPU time counts every thread of this process (the sender's too) and nothing of the
-    other processes on a shared host."""
+    CPU time counts every thread of this process (the sender's too, which flushes every
+    second inside the block) and nothing of the other processes on a shared host. Attach
+    and detach are outside the timing, as in agent_overhead.py (once per run)."""
     model, optimizer, scaler, _ = loop
     handle = None
     if mode != "bare":
@@ -74,9 +75,10 @@ def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT
     for step in range(steps):
         _train_step(loop, step)
     _sync(device)
+    times = time.perf_counter() - wall, time.process_time() - cpu
     if handle is not None:
-        handle.detach()  # the sender's work on this block's records, inside the timing
-    return time.perf_counter() - wall, time.process_time() - cpu
+        handle.detach()
+    return times
 
 
 def sampled_step_extra(loop: tuple, pairs: int, steps: int, device: str

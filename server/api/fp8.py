@@ -7,6 +7,7 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.api.run_data import RankQuery
 from ampwatch.server.fp8_readiness import (
     Fp8Limits,
     Fp8Readiness,
@@ -14,15 +15,21 @@ from ampwatch.server.fp8_readiness import (
     fp8_readiness,
     loss_scale_advice,
 )
-from ampwatch.server.schemas import MAX_INT
 
 router = APIRouter(prefix="/runs", tags=["fp8 readiness"], responses=RUN_ERRORS)
 
-RankQuery = Annotated[int, Query(ge=0, le=MAX_INT, description="Data-parallel rank.")]
 MaxStepsQuery = Annotated[
     int, Query(ge=2, le=1000, description="Most sampled steps read over the run.")
 ]
 _DEFAULTS = Fp8Limits()
+
+
+def _limit(description: str, high: float = 1.0) -> object:
+    return Query(ge=0, le=high, allow_inf_nan=False, description=description)
+
+
+ShareLimit = Annotated[float, _limit("Largest share of a tensor's elements allowed.")]
+ErrorLimit = Annotated[float, _limit("Largest relative L2 quantisation error allowed.", 10.0)]
 
 
 @router.get("/{run_id}/fp8-readiness")
@@ -31,18 +38,10 @@ def get_fp8_readiness(
     session: SessionDep,
     rank: RankQuery = 0,
     max_steps: MaxStepsQuery = 64,
-    max_flush: Annotated[float, Query(ge=0, le=1, allow_inf_nan=False,
-                                      description="Largest share that may flush.")]
-    = _DEFAULTS.max_flush,
-    max_saturate: Annotated[float, Query(ge=0, le=1, allow_inf_nan=False,
-                                         description="Largest share that may saturate.")]
-    = _DEFAULTS.max_saturate,
-    max_error_e4m3: Annotated[float, Query(ge=0, le=10, allow_inf_nan=False,
-                                           description="Largest relative error in E4M3.")]
-    = _DEFAULTS.max_error_e4m3,
-    max_error_e5m2: Annotated[float, Query(ge=0, le=10, allow_inf_nan=False,
-                                           description="Largest relative error in E5M2.")]
-    = _DEFAULTS.max_error_e5m2,
+    max_flush: ShareLimit = _DEFAULTS.max_flush,
+    max_saturate: ShareLimit = _DEFAULTS.max_saturate,
+    max_error_e4m3: ErrorLimit = _DEFAULTS.max_error_e4m3,
+    max_error_e5m2: ErrorLimit = _DEFAULTS.max_error_e5m2,
 ) -> Fp8Readiness:
     """Per Linear layer at the latest FP8 sample: each recipe's fit with the numbers behind
     it, a verdict (fits / needs_finer_scaling / keep_bf16), worst first, and the trend."""
