@@ -49,11 +49,12 @@ from torch.utils.hooks import RemovableHandle
 
 from ampwatch.agent import wire
 
-#: One sample every 100 steps: `bench/fp8_overhead.py` measured a sample of the bench's
-#: 3M-parameter model at ~1.2 steps' time on the CPU (weights, gradients and activations of
-#: its 17 Linear layers), so 1 in 100 costs ~1% of the step time, within the 3% bar with the
-#: rest of the agent; FP8 readiness drifts over thousands of steps, not tens.
-DEFAULT_EVERY = 100
+#: One sample every 200 steps. `bench/fp8_overhead.py` (CPU, 2 loaded cores, CPU time) measured
+#: a sampled step of its 3M-parameter model (13 Linear layers: weights, gradients and
+#: inputs) at ~1.6 bare steps more, and 0.9 for the 0.1M model: 1 in 100 added ~1.2-1.6%
+#: to the step, on top of the rest of the agent, too close to the 3% bar; 1 in 200 adds
+#: ~0.8%. FP8 readiness drifts over thousands of steps, not hundreds.
+DEFAULT_EVERY = 200
 
 #: name -> (torch dtype, largest finite value fmax, E with fmax = 0.875 * 2^E).
 FORMATS: dict[str, tuple[torch.dtype, float, int]] = {

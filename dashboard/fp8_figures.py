@@ -2,7 +2,7 @@
 
     >>> fig = readiness_matrix_figure({"layers": [], "recipes": {}, "steps": []})
     >>> fig.layout.annotations[0].text
-    'No FP8 samples yet: the agent measures every fp8_stats_every steps (default 100).'
+    'No FP8 samples yet: the agent measures every fp8_stats_every steps.'
 """
 
 from __future__ import annotations
@@ -35,7 +35,7 @@ SCORE_COLORSCALE: list[list[float | str]] = [
 ]
 MATRIX_ROWS = 40
 TREND_LAYERS = 6
-NO_SAMPLES = "No FP8 samples yet: the agent measures every fp8_stats_every steps (default 100)."
+NO_SAMPLES = "No FP8 samples yet: the agent measures every fp8_stats_every steps."
 
 
 def _log_score(score: float | None) -> float | None:
