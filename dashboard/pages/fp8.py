@@ -12,7 +12,7 @@ from __future__ import annotations
 from typing import Any
 
 import dash
-from dash import Input, Output, dcc, html
+from dash import Input, Output, State, dcc, html
 
 from ampwatch.dashboard import ids
 from ampwatch.dashboard.client import CollectorClient, CollectorError, RunNotFound
@@ -39,23 +39,25 @@ def _table(rows: list[dict[str, str]]) -> html.Table:
     )
 
 
-def fp8_view(client: CollectorClient | None, run_id: int, back: str, recipe: str | None
-             ) -> list[Any]:
-    """The page's children: crumbs, summary, matrix, verdict table, trend, loss-scale advice."""
+def fp8_view(client: CollectorClient | None, run_id: int, back: str) -> tuple[
+        list[Any], dict[str, Any] | None]:
+    """The page's body (crumbs, summary, matrix, verdict table, loss-scale advice) and the
+    readiness answer the trend chart is drawn from (None: nothing to draw)."""
     if client is None:
-        return [html.H2(f"Run {run_id}: FP8 readiness")]
+        return [html.H2(f"Run {run_id}: FP8 readiness")], None
     try:
         run = client.get_run(run_id)
         readiness = client.fp8_readiness(run_id)
         advice = client.loss_scale_advice(run_id)
     except RunNotFound:
-        return [html.P(f"There is no run {run_id} on this collector.", className="error")]
+        return [html.P(f"There is no run {run_id} on this collector.", className="error")], None
     except CollectorError as exc:
-        return [html.P(str(exc), className="error")]
+        return [html.P(str(exc), className="error")], None
     crumbs = html.Div([dcc.Link(f"← {run.name}", href=back),
                        html.Span(" / FP8 readiness", className="muted")], className="crumbs")
     if readiness is None:
-        return [crumbs, html.P("This collector has no FP8 readiness view.", className="muted")]
+        return [crumbs, html.P("This collector has no FP8 readiness view.",
+                               className="muted")], None
     summary = ", ".join(f"{n} {VERDICT_LABELS[v]}" for v, n in readiness["summary"].items())
     declared = readiness.get("declared_recipe")
     children: list[Any] = [
@@ -66,11 +68,6 @@ def fp8_view(client: CollectorClient | None, run_id: int, back: str, recipe: str
         dcc.Graph(id=ids.FP8_MATRIX_GRAPH, config=GRAPH_CONFIG,
                   figure=readiness_matrix_figure(readiness)),
         _table(verdict_rows(readiness)),
-        dcc.Dropdown(id=ids.FP8_TREND_RECIPE, clearable=False,
-                     value=recipe or declared or "per_tensor",
-                     options=[{"label": r, "value": r} for r in readiness["recipes"]]),
-        dcc.Graph(id=ids.FP8_TREND_GRAPH, config=GRAPH_CONFIG,
-                  figure=readiness_trend_figure(readiness, recipe)),
     ]
     if advice is not None:
         children += [
@@ -83,20 +80,32 @@ def fp8_view(client: CollectorClient | None, run_id: int, back: str, recipe: str
             ], id=ids.FP8_LOSS_SCALE_ADVICE),
             dcc.Graph(config=GRAPH_CONFIG, figure=loss_scale_figure(advice)),
         ]
-    return children
+    return children, readiness
 
 
 def layout(run_id: int = 0, client: CollectorClient | None = None, back: str = "",
            **_kwargs: Any) -> html.Div:
-    return html.Div([dcc.Store(id=ids.FP8_RUN_ID, data=run_id),
-                     html.Div(id=ids.FP8_BODY, children=fp8_view(client, run_id, back, None))])
+    body, readiness = fp8_view(client, run_id, back)
+    recipes = list(readiness["recipes"]) if readiness else []
+    chosen = (readiness or {}).get("declared_recipe") or "per_tensor"
+    return html.Div([
+        dcc.Store(id=ids.FP8_RUN_ID, data=run_id),
+        html.Div(id=ids.FP8_BODY, children=body),
+        html.Div([
+            dcc.Dropdown(id=ids.FP8_TREND_RECIPE, clearable=False, value=chosen,
+                         options=[{"label": r, "value": r} for r in recipes]),
+            dcc.Graph(id=ids.FP8_TREND_GRAPH, config=GRAPH_CONFIG,
+                      figure=readiness_trend_figure(readiness) if readiness else
+                      readiness_trend_figure({"layers": [], "steps": []})),
+        ], style={} if readiness else {"display": "none"}),
+    ])
 
 
 def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
     @app.callback(
         Output(ids.FP8_TREND_GRAPH, "figure"),
         Input(ids.FP8_TREND_RECIPE, "value"),
-        Input(ids.FP8_RUN_ID, "data"),
+        State(ids.FP8_RUN_ID, "data"),
         prevent_initial_call=True,
     )
     def trend(recipe: str, run_id: int) -> Any:

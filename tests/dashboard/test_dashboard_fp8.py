@@ -40,7 +40,7 @@ def test_the_page_says_which_layer_needs_finer_scaling(
         run_id = client.list_runs()[0].id
         readiness = client.fp8_readiness(run_id)
         advice = client.loss_scale_advice(run_id)
-        page = fp8_view(client, run_id, "/dashboard/run/1", None)
+        page, _ = fp8_view(client, run_id, "/dashboard/run/1")
         app = create_dash_app(f"{live.url}", requests_pathname_prefix="/dashboard/")
         served = {
             path: app.server.test_client().get(
