@@ -22,7 +22,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent import clipping, config, wire
+from ampwatch.agent import clipping, config, fp8, wire
 from ampwatch.agent.hooks import (
     ActivationMaxAbs,
     ActivationNorm,
@@ -186,6 +186,7 @@ class _AttachedHandle(WatchHandle):
         self._loss = RunningMean()
         self._pending: tuple[torch.Tensor | None, LayerSample | None] = (None, None)
         self._reported: set[str] = set()
+        self._fp8: fp8.Fp8Monitor | None = None  # set by watch()
         self._tap: ScalerTap | None = None
         self._act: ActivationNorm | None = None
         if final_layer is not None:
@@ -399,6 +400,8 @@ class _AttachedHandle(WatchHandle):
             self._send(sample)
         if layers is not None:
             self._send(layers)
+        if self._fp8 is not None and (fp8_sample := self._fp8.after_step(self._step)):
+            self._send(fp8_sample)
 
     def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         """No-scaler path: grads as the optimizer will see them (scaled, if the loop scales)."""
@@ -478,6 +481,9 @@ def watch(
     final_layer: str | None = None,
     steps_from_every_rank: bool = False,
     activation_max_abs: bool = False,
+    fp8_stats_every: int | None = fp8.DEFAULT_EVERY,
+    fp8_activations: bool = True,
+    fp8_recipe: str | None = None,
     flush_interval: float = 1.0,
     max_queue: int = 10_000,
     transport: Transport | None = None,
@@ -513,6 +519,9 @@ def watch(
     leaf module (overflow headroom for FP16/FP8 activations), sent with the layer
     statistics (so not with `handle.record()` alone). Off by default: it adds a reduction
     per leaf module to a sampled step's forwards.
+    `fp8_stats_every` (M, default 200; None: off): FP8 readiness of every nn.Linear's
+    weight, gradient and (`fp8_activations`) input at steps 1, M+1, ... (`ampwatch.agent.fp8`);
+    `fp8_recipe`: the FP8 recipe the run uses or plans, one of `wire.FP8_RECIPES`.
 
     `token` is sent as `Authorization: Bearer <token>`; `offline_file` writes batches to
     that file only (send it later with `ampwatch upload FILE`). Arguments win over
@@ -538,6 +547,7 @@ def watch(
         )
     optimizers = _optimizer_list(optimizer)
     _check_arguments(model, optimizers, scaler, settings, flush_interval, max_queue, transport)
+    fp8.check_options(fp8_stats_every, fp8_recipe)
     if scaler is not None and not scaler.is_enabled():
         scaler = None
     for obj in (model, *optimizers, scaler):
@@ -577,6 +587,10 @@ def watch(
         send_steps=send_steps,
         activation_max_abs=activation_max_abs,
     )
+    if fp8_stats_every and optimizers:
+        handle._fp8 = fp8.Fp8Monitor(model, every=fp8_stats_every, activations=fp8_activations,
+                                     rank=info["rank"], on_error=handle._on_error, to_host=_to_host)
+        handle._detach_actions.append(handle._fp8.disarm)
     sender.start()
     handle._event(
         "run_start",
@@ -592,6 +606,8 @@ def watch(
             "layer_stats_every": settings.layer_stats_every,
             "grad_norm": grad_norm,
             "activation_max_abs": activation_max_abs,
+            "fp8_stats_every": fp8_stats_every,
+            "fp8_recipe": fp8_recipe,
             "mode": "automatic" if optimizers else "manual",
             "step_scalars_from": "every rank" if steps_from_every_rank else "rank 0",
             **info,

@@ -40,6 +40,7 @@ from pathlib import Path
 from typing import Any, cast
 
 from ampwatch.agent import wire
+from ampwatch.agent.fp8 import Fp8Sample
 from ampwatch.agent.records import LayerSample, StepSample, layer_record, step_record
 from ampwatch.agent.spool import Frame, Spool, default_spool_dir, encode_frame
 
@@ -127,10 +128,10 @@ _COUNTERS = (
 _DROP_ORDER = ("layer_stats", "steps", "events")
 
 
-def _kind(item: StepSample | LayerSample | wire.EventRecord) -> str:
+def _kind(item: StepSample | LayerSample | Fp8Sample | wire.EventRecord) -> str:
     if isinstance(item, StepSample):
         return "steps"
-    return "layer_stats" if isinstance(item, LayerSample) else "events"
+    return "layer_stats" if isinstance(item, (LayerSample, Fp8Sample)) else "events"
 
 
 class Sender:
@@ -190,7 +191,7 @@ class Sender:
         # Two deques under one lock rather than a queue.Queue: a full queue must be able to
         # evict its oldest layer sample, which a Queue cannot do.
         self._queued: deque[StepSample | wire.EventRecord] = deque()
-        self._queued_layers: deque[LayerSample] = deque()
+        self._queued_layers: deque[LayerSample | Fp8Sample] = deque()
         self._wake = threading.Event()
         self._wake_at = max(1, max_queue // 4)
         self._buffer = _Buffer()
@@ -214,7 +215,7 @@ class Sender:
     def start(self) -> None:
         self._thread.start()
 
-    def put(self, item: StepSample | LayerSample | wire.EventRecord) -> None:
+    def put(self, item: StepSample | LayerSample | Fp8Sample | wire.EventRecord) -> None:
         """Hand a sample to the sender; never blocks, never raises. When the queue is full
         the oldest queued layer sample makes room (for an event: else the oldest step);
         failing that, `item` is dropped."""
@@ -243,7 +244,7 @@ class Sender:
                 self._dropped[evicted] += 1
                 self._unreported[evicted] += 1
                 queued -= 1
-            if isinstance(item, LayerSample):
+            if isinstance(item, (LayerSample, Fp8Sample)):
                 self._queued_layers.append(item)
             else:
                 self._queued.append(item)
@@ -352,8 +353,9 @@ class Sender:
             else:
                 self._buffer.events.append(cast(wire.EventRecord, item))
         for sample in layers:
-            self._buffer.layer_stats.append(layer_record(sample))
-            if len(self._buffer.layer_stats) > self._max_buffered_layer_stats:
+            records = sample.records() if isinstance(sample, Fp8Sample) else [layer_record(sample)]
+            self._buffer.layer_stats.extend(records)
+            while len(self._buffer.layer_stats) > self._max_buffered_layer_stats:
                 self._buffer.layer_stats.popleft()
                 self._count({"layer_stats": 1}, reported=False)
         while len(self._buffer) > self._max_buffered:

@@ -61,6 +61,59 @@ NON_FINITE: Final[dict[str, float]] = {
 #:   max_abs_scaled      max |g*S|, to compare with FP16_MAX (overflow headroom)
 LAYER_STATS: Final = ("zero_fraction", "subnormal_fraction", "flush_fraction", "max_abs_scaled")
 
+#: FP8 readiness (`ampwatch.agent.fp8` defines each measure), per nn.Linear, named by its
+#: weight parameter, every role in its own record: `fp8_{role}_{fmt}_{scaling}_{metric}`
+#: with metric flush (share that would round to 0), saturate (share beyond the format's
+#: max, clipped) or error (relative L2 quantisation error), and `fp8_{role}_{scaling}_spread`
+#: (log2 of max / min non-zero group amax). Roles: the weight, its gradient, the layer's
+#: input activation.
+FP8_ROLES: Final = ("weight", "grad", "act")
+FP8_FORMATS: Final = ("e4m3", "e5m2")
+#: per-tensor, 1x128 tiles (rows), 128x128 blocks, MX 1x32 with power-of-two (E8M0) scales.
+FP8_SCALINGS: Final = ("tensor", "tile", "block", "mx")
+FP8_SPREAD_SCALINGS: Final = ("tile", "block", "mx")
+FP8_METRICS: Final = ("flush", "saturate", "error")
+
+
+def fp8_stat(role: str, fmt: str, scaling: str, metric: str) -> str:
+    """The layer statistic's name.
+
+    >>> fp8_stat("grad", "e4m3", "tile", "flush")
+    'fp8_grad_e4m3_tile_flush'
+    """
+    return f"fp8_{role}_{fmt}_{scaling}_{metric}"
+
+
+def fp8_spread_stat(role: str, scaling: str) -> str:
+    return f"fp8_{role}_{scaling}_spread"
+
+
+FP8_STATS: Final = tuple(
+    fp8_stat(r, f, s, m)
+    for r in FP8_ROLES
+    for f in FP8_FORMATS
+    for s in FP8_SCALINGS
+    for m in FP8_METRICS
+) + tuple(fp8_spread_stat(r, s) for r in FP8_ROLES for s in FP8_SPREAD_SCALINGS)
+
+#: FP8 recipes a run may declare (`watch(fp8_recipe=...)`, sent in run_start) and the
+#: readiness view judges: role -> (format, scaling).
+#:   per_tensor  current per-tensor scaling, E4M3 forward / E5M2 gradients (TE's HYBRID)
+#:   tile_1x128  1x128 tiles on every tensor, E4M3 throughout (row-wise scaling)
+#:   blockwise   DeepSeek-V3: 128x128 weight blocks, 1x128 tiles elsewhere, E4M3 throughout
+#:   mxfp8       MX 1x32 blocks with E8M0 scales, E4M3 throughout (TE's MXFP8 default)
+FP8_RECIPES: Final[dict[str, dict[str, tuple[str, str]]]] = {
+    "per_tensor": {"weight": ("e4m3", "tensor"), "act": ("e4m3", "tensor"),
+                   "grad": ("e5m2", "tensor")},
+    "tile_1x128": {"weight": ("e4m3", "tile"), "act": ("e4m3", "tile"), "grad": ("e4m3", "tile")},
+    "blockwise": {"weight": ("e4m3", "block"), "act": ("e4m3", "tile"),
+                  "grad": ("e4m3", "tile")},
+    "mxfp8": {"weight": ("e4m3", "mx"), "act": ("e4m3", "mx"), "grad": ("e4m3", "mx")},
+}  # fmt: skip
+
+#: Every per-parameter statistic the collector stores (packed by layer).
+PARAMETER_STATS: Final = (*LAYER_STATS, *FP8_STATS)
+
 FP16_MAX: Final = 65504.0
 FP16_MIN_NORMAL: Final = 2.0**-14
 FP16_MIN_SUBNORMAL: Final = 2.0**-24

@@ -29,15 +29,16 @@ from dash import Input, Output, State, dcc, html
 
 from ampwatch.dashboard import ids, plotly_bundle
 from ampwatch.dashboard.client import CollectorClient
-from ampwatch.dashboard.pages import compare, layer, run, runs
+from ampwatch.dashboard.pages import compare, fp8, layer, run, runs
 from ampwatch.dashboard.prefetch import Prefetcher
-from ampwatch.dashboard.urls import compare_path, href, page_path, query_ints
+from ampwatch.dashboard.urls import compare_path, fp8_path, href, page_path, query_ints, run_path
 
 log = logging.getLogger(__name__)
 
 RUN_PATH = re.compile(r"^run/(\d+)$")
 LAYER_PATH = re.compile(r"^run/(\d+)/layer/(.+)$")
-PAGES = (runs, run, layer, compare)
+FP8_PATH = re.compile(r"^run/(\d+)/fp8$")
+PAGES = (runs, run, layer, compare, fp8)
 #: Served with a year's cache: the name carries the version.
 BUNDLE_ROUTE = f"_ampwatch/plotly-cartesian-{plotly_bundle.VERSION}.min.js"
 # Loads plotly.js right after the Dash renderer has started (its layout request is out), so
@@ -191,7 +192,11 @@ def create_dash_app(
             return runs.layout()
         if match := RUN_PATH.match(path):
             run_id = int(match.group(1))
-            return run.layout(run_id=run_id, client=client, data=prefetcher.take(run_id))
+            return run.layout(run_id=run_id, client=client, data=prefetcher.take(run_id),
+                              fp8_href=href(app, fp8_path(run_id)))
+        if match := FP8_PATH.match(path):
+            run_id = int(match.group(1))
+            return fp8.layout(run_id=run_id, client=client, back=href(app, run_path(run_id)))
         if match := LAYER_PATH.match(path):
             steps = query_ints(search, "step")
             return layer.layout(run_id=int(match.group(1)), layer=unquote(match.group(2)),

@@ -472,6 +472,14 @@ class CollectorClient:
         """The restart advisor's verdicts, or None when this collector has no advisor (404)."""
         return self._get_optional(f"/runs/{run_id}/restart-candidates", RestartAdvice.from_json)
 
+    def fp8_readiness(self, run_id: int) -> dict[str, Any] | None:
+        """The run's FP8 readiness (the collector's JSON), or None without the route."""
+        return self._get_optional(f"/runs/{run_id}/fp8-readiness", dict)
+
+    def loss_scale_advice(self, run_id: int) -> dict[str, Any] | None:
+        """FP16 loss-scale advice (the collector's JSON), or None without the route."""
+        return self._get_optional(f"/runs/{run_id}/loss-scale-advice", dict)
+
     def _get_optional(self, path: str, parse: Callable[[Any], T], **params: str | int
                       ) -> T | None:
         # Called after the run itself was read, so a 404 means the route is missing.

@@ -52,6 +52,14 @@ LAYER_PICK: Final = "layer-pick"
 LAYER_SERIES_GRAPH: Final = "layer-series-graph"
 LAYER_HISTOGRAM_GRAPH: Final = "layer-histogram-graph"
 
+# FP8 readiness page.
+FP8_RUN_ID: Final = "fp8-run-id"
+FP8_BODY: Final = "fp8-body"
+FP8_MATRIX_GRAPH: Final = "fp8-matrix-graph"
+FP8_TREND_RECIPE: Final = "fp8-trend-recipe"
+FP8_TREND_GRAPH: Final = "fp8-trend-graph"
+FP8_LOSS_SCALE_ADVICE: Final = "fp8-loss-scale-advice"
+
 # Compare page.
 COMPARE_PICK: Final = "compare-pick"
 COMPARE_GRAPH: Final = "compare-graph"

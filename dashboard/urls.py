@@ -1,7 +1,8 @@
 """Page URLs under the app's mount prefix (`/dashboard/` in the collector, `/` standalone).
 
 Dash's `get_relative_path` does this untyped; these keep the pages type-checked. App paths:
-`/` runs, `/run/<id>` a run, `/run/<id>/layer/<name>?step=N` one layer, `/compare?runs=1,2`.
+`/` runs, `/run/<id>` a run, `/run/<id>/layer/<name>?step=N` one layer, `/run/<id>/fp8` its
+FP8 readiness, `/compare?runs=1,2`.
 """
 
 from __future__ import annotations
@@ -32,6 +33,10 @@ def layer_path(run_id: int, layer: str) -> str:
     '/run/3/layer/blocks.0%2Fattn.weight'
     """
     return f"/run/{run_id}/layer/{quote(layer, safe='')}"
+
+
+def fp8_path(run_id: int) -> str:
+    return f"/run/{run_id}/fp8"
 
 
 def compare_path(run_ids: list[int]) -> str:

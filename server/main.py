@@ -13,7 +13,7 @@ from fastapi.responses import JSONResponse, RedirectResponse
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import auth, metrics, migrate, notify
-from ampwatch.server.api import advisor, alerts, health, ingest, run_data, runs, webhooks
+from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.db import make_engine, make_sessionmaker
@@ -71,6 +71,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.include_router(run_data.router, prefix=API_PREFIX, **authenticated)
     app.include_router(webhooks.router, prefix=API_PREFIX, **authenticated)
     app.include_router(advisor.router, prefix=API_PREFIX, **authenticated)
+    app.include_router(fp8.router, prefix=API_PREFIX, **authenticated)
     alerts.mount(app, prefix=API_PREFIX, **authenticated)  # routes + the alerts file
     if settings.dashboard:
         _mount_dashboard(app, settings)

@@ -32,6 +32,7 @@ from ampwatch.agent.wire import (
     MAX_LR_GROUPS,
     MAX_NAME_LENGTH,
     NON_FINITE,
+    PARAMETER_STATS,
     STREAM_MAX_LENGTH,
     STREAM_PATTERN,
     WIRE_VERSION,
@@ -204,9 +205,10 @@ class LayerStatsIn(_WireModel):
     def _known_stats(
         cls, stats: dict[str, npt.NDArray[np.float64]]
     ) -> dict[str, npt.NDArray[np.float64]]:
-        unknown = sorted(set(stats) - set(LAYER_STATS))
+        unknown = sorted(set(stats) - set(PARAMETER_STATS))
         if unknown:
-            raise ValueError(f"unknown statistic(s) {unknown}; this collector knows {LAYER_STATS}")
+            raise ValueError(f"unknown statistic(s) {unknown}; this collector knows {LAYER_STATS} "
+                             "and wire.FP8_STATS (fp8_...)")
         return stats
 
     @model_validator(mode="after")

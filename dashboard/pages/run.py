@@ -72,7 +72,8 @@ X_AUTORANGE_KEY = re.compile(r"^xaxis\d*\.autorange$")
 
 
 def layout(run_id: int = 0, client: CollectorClient | None = None,
-           data: dict[str, Any] | None = None, **_kwargs: Any) -> html.Div:
+           data: dict[str, Any] | None = None, fp8_href: str | None = None,
+           **_kwargs: Any) -> html.Div:
     """The page, drawn with the run's data -- `data` as `fetch_run_data` returns it, or
     read through `client` -- so the first render needs no callback round trip (fetch,
     then render) of its own."""
@@ -93,6 +94,8 @@ def layout(run_id: int = 0, client: CollectorClient | None = None,
             dcc.Interval(id=ids.RUN_REFRESH, interval=REFRESH_MS),
             html.Div(id=ids.RUN_HEADER,
                      children=html.H2(f"Run {run_id}") if header is dash.no_update else header),
+            dcc.Link("FP8 readiness and loss-scale advice →", href=fp8_href or "",
+                     className="nav", style={} if fp8_href else HIDDEN),
             html.Div(
                 id=ids.RUN_GRAPHS,
                 style=style,

@@ -16,7 +16,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS
+from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
 from ampwatch.server import history, queries, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
 from ampwatch.server.schemas import (
@@ -47,7 +47,7 @@ StartQuery = Annotated[
 EndQuery = Annotated[int | None, Query(ge=0, le=MAX_BIGINT, description="Last step (inclusive).")]
 #: Parameter statistics (columns: the run's layers) and activation statistics (columns:
 #: its leaf modules) share the layer-statistic endpoints.
-STATS = (*LAYER_STATS, *ACTIVATION_STATS)
+STATS = (*PARAMETER_STATS, *ACTIVATION_STATS)
 StatQuery = Annotated[str, Query(description=f"One of {', '.join(STATS)}.")]
 MaxPointsQuery = Annotated[
     int, Query(ge=2, le=MAX_POINTS_LIMIT, description="Most points returned.")

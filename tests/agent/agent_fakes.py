@@ -33,6 +33,13 @@ class FakeCollector:
         return [record for batch in self.batches for record in batch["steps"]]
 
     def layer_stats(self) -> list[dict[str, Any]]:
+        """The gradient-range records (FP8 readiness records: `fp8_records`)."""
+        return [r for r in self._layer_records() if not _is_fp8(r)]
+
+    def fp8_records(self) -> list[dict[str, Any]]:
+        return [r for r in self._layer_records() if _is_fp8(r)]
+
+    def _layer_records(self) -> list[dict[str, Any]]:
         return [record for batch in self.batches for record in batch["layer_stats"]]
 
     def events(self, kind: str | None = None) -> list[dict[str, Any]]:
@@ -48,6 +55,10 @@ class FakeCollector:
         if name in wire.STEP_FLOAT_FIELDS:
             return [wire.decode_float(v) for v in values]
         return values
+
+
+def _is_fp8(record: dict[str, Any]) -> bool:
+    return all(name.startswith("fp8_") for name in record["stats"])
 
 
 # --- samples as the training thread hands them to the sender (transport tests) -----------

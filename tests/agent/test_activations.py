@@ -63,6 +63,7 @@ def test_activation_max_abs_is_exact_and_reaches_the_layer_endpoints(
         handle = watch(
             model, optimizer, scaler, run_id="acts", transport=recording,
             layer_stats_every=EVERY, activation_max_abs=True, flush_interval=0.05,
+            fp8_stats_every=None,
         )  # fmt: skip
         for step in range(1, STEPS + 1):
             for _ in range(MICRO_BATCHES):

@@ -42,6 +42,7 @@ class Trainer:
     def watch(self, **kwargs: Any) -> Any:
         kwargs.setdefault("flush_interval", 0.05)
         kwargs.setdefault("layer_stats_every", LAYER_STATS_EVERY)
+        kwargs.setdefault("fp8_stats_every", None)  # the counts below are gradient records
         return watch(self.model, self.optimizer, self.scaler, **kwargs)
 
     def step(self) -> float:

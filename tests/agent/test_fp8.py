@@ -1,0 +1,216 @@
+"""FP8 readiness: every share equals a direct computation with torch's own float8 casts,
+group by group (tile and block edges, all-zero groups, NaN/Inf, sizes that are not a
+multiple of the group), and the agent sends it from a real FP16 autocast loop."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from agent_fakes import FakeCollector
+from torch import nn
+
+from ampwatch.agent import watch, wire
+from ampwatch.agent.fp8 import (
+    FORMATS,
+    VALUES_PER_TENSOR,
+    Fp8Monitor,
+    check_options,
+    quantisation_counts,
+    shares,
+)
+
+GROUP = {"tile": (1, 128), "block": (128, 128), "mx": (1, 32)}
+
+
+def _groups(rows: int, cols: int, scaling: str) -> list[tuple[slice, slice]]:
+    if scaling == "tensor":
+        return [(slice(0, rows), slice(0, cols))]
+    height, width = GROUP[scaling]
+    return [
+        (slice(r, min(r + height, rows)), slice(c, min(c + width, cols)))
+        for r in range(0, rows, height)
+        for c in range(0, cols, width)
+    ]
+
+
+def direct(x: torch.Tensor, fmt: str, scaling: str) -> dict[str, float]:
+    """The reference: per group, its scale, then torch's saturating float8 cast of the
+    signed values; shares over all elements, error in float64."""
+    dtype, fmax, _ = FORMATS[fmt]
+    x2 = x.float().reshape(1, -1) if x.dim() < 2 else x.float().reshape(-1, x.shape[-1])
+    clean = torch.where(torch.isfinite(x2), x2, torch.zeros_like(x2))
+    flush = saturate = 0
+    err_sq = 0.0
+    amaxes = []
+    for rows, cols in _groups(*clean.shape, scaling):
+        group = clean[rows, cols]
+        amax = group.abs().max()
+        amaxes.append(amax.item())
+        if amax.item() == 0:
+            scale = torch.tensor(1.0)
+        elif scaling == "mx":  # the smallest power of two 2^e with amax <= fmax * 2^e
+            e = math.ceil(math.log2(amax.item() / fmax))
+            e += amax.item() > fmax * 2.0**e
+            e -= amax.item() <= fmax * 2.0 ** (e - 1)
+            scale = torch.tensor(2.0 ** -min(max(e, -127), 127))
+        else:
+            scale = torch.clamp(torch.tensor(fmax) / amax, max=torch.finfo(torch.float32).max)
+        y = group * scale
+        q = y.clamp(-fmax, fmax).to(dtype).float()
+        flush += int(((q == 0) & (group != 0)).sum())
+        if fmt == "e5m2":  # the plain cast overflows to Inf exactly where it saturates
+            saturate += int(torch.isinf(y.to(dtype).float()).sum())
+        else:  # torch's CPU E4M3 cast saturates by itself: the tie 464 rounds to 448
+            saturate += int((y.abs() > 464.0).sum())
+        err_sq += float(((q.double() / scale.double() - group.double()) ** 2).sum())
+    norm_sq = float((clean.double() ** 2).sum())
+    positive = [a for a in amaxes if a > 0]
+    spread = math.log2(max(positive) / min(positive)) if positive else 0.0
+    return {
+        "flush": flush / x.numel(),
+        "saturate": saturate / x.numel(),
+        "error": math.sqrt(err_sq / norm_sq) if norm_sq else 0.0,
+        "spread": spread,
+    }
+
+
+def _wide(*shape: int, seed: int = 0) -> torch.Tensor:
+    """Gaussian values over ~40 binary orders of magnitude: every group flushes some,
+    MX groups saturate some."""
+    generator = torch.Generator().manual_seed(seed)
+    x = torch.randn(*shape, generator=generator)
+    return x * torch.exp2(torch.randint(-30, 10, shape, generator=generator).float())
+
+
+def _cases() -> dict[str, torch.Tensor]:
+    edges = _wide(130, 257, seed=1)  # one row and one column past a block and a tile
+    edges[:128, 128:256] = 0  # an all-zero 128x128 block (and its tiles)
+    edges[129, :] = 0  # an all-zero row of tiles
+    special = _wide(3, 300, seed=2)
+    special[0, 5] = math.nan
+    special[1, 7] = math.inf
+    special[2, 299] = -math.inf
+    huge = torch.randn(64, 96) * 1e6  # amax > fmax: scales below 1
+    tiny = torch.randn(8, 40) * 1e-38  # float32 subnormal-ish: fmax / amax overflows
+    return {
+        "edges": edges,
+        "special": special,
+        "activation_3d": _wide(2, 5, 300, seed=3),
+        "vector": _wide(1000, seed=4),
+        "huge": huge,
+        "tiny": tiny,
+        "zeros": torch.zeros(5, 129),
+        "fp16": _wide(40, 200, seed=5).clamp(-6e4, 6e4).half(),
+    }
+
+
+@pytest.mark.parametrize("case", sorted(_cases()))
+def test_every_share_equals_torchs_float8_casts(case: str) -> None:
+    x = _cases()[case]
+    measured = shares(quantisation_counts(x).tolist(), x.numel())
+    for scaling in wire.FP8_SCALINGS:
+        for fmt in wire.FP8_FORMATS:
+            truth = direct(x, fmt, scaling)
+            for metric in ("flush", "saturate"):
+                assert measured[f"{fmt}_{scaling}_{metric}"] == truth[metric], (fmt, scaling)
+            assert measured[f"{fmt}_{scaling}_error"] == pytest.approx(truth["error"], rel=1e-4)
+            if scaling != "tensor":
+                assert measured[f"{scaling}_spread"] == pytest.approx(truth["spread"], abs=1e-5)
+
+
+def test_the_cases_exercise_what_they_claim() -> None:
+    """Guards the test above against vacuous data: the wide data flushes; nothing
+    saturates (every scaling maps the group's amax to <= fmax); NaN/Inf change nothing
+    about the finite elements' shares."""
+    cases = _cases()
+    wide = shares(quantisation_counts(cases["edges"]).tolist(), cases["edges"].numel())
+    assert wide["e4m3_tensor_flush"] > 0.2 and wide["e4m3_tile_flush"] > 0.1
+    assert wide["e4m3_mx_saturate"] == 0 and wide["e5m2_tile_saturate"] == 0
+    assert wide["e4m3_mx_error"] > wide["e4m3_tile_error"] > 0  # coarser power-of-two scales
+    special = cases["special"]
+    cleaned = torch.where(torch.isfinite(special), special, torch.zeros_like(special))
+    assert quantisation_counts(special).tolist() == quantisation_counts(cleaned).tolist()
+    zeros = shares(quantisation_counts(cases["zeros"]).tolist(), cases["zeros"].numel())
+    assert set(zeros.values()) == {0.0}
+    assert VALUES_PER_TENSOR == 28
+
+
+def test_outlier_rows_flush_per_tensor_but_not_in_1x128_tiles() -> None:
+    torch.manual_seed(0)
+    weight = torch.randn(256, 512) * 0.02
+    weight[[3, 70, 200]] *= 2.0**22  # three outlier output channels
+    s = shares(quantisation_counts(weight).tolist(), weight.numel())
+    assert s["e4m3_tensor_flush"] > 0.9
+    assert s["e4m3_tile_flush"] == 0.0 and s["e4m3_mx_flush"] == 0.0
+    assert s["tile_spread"] == pytest.approx(22, abs=3)
+
+
+def test_options_fail_fast_with_the_fix() -> None:
+    with pytest.raises(ValueError, match="fp8_recipe must be one of"):
+        check_options(100, "fp4")
+    with pytest.raises(ValueError, match="fp8_stats_every"):
+        check_options(-1, None)
+    with pytest.raises(ValueError, match="fp8_stats_every"):
+        Fp8Monitor(nn.Linear(2, 2), every=0, on_error=print, to_host=lambda t: (t, None))
+
+
+def test_the_agent_sends_weight_grad_and_activation_shares_from_an_fp16_loop(
+    collector: FakeCollector,
+) -> None:
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 160), nn.ReLU(), nn.Linear(160, 8), nn.Linear(8, 8))
+    model[3].requires_grad_(False)  # frozen: weight measured, no gradient
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1)
+    scaler = torch.amp.GradScaler("cpu")
+    inputs: dict[int, list[torch.Tensor]] = {}
+    expected: dict[int, dict[str, dict[str, torch.Tensor]]] = {}
+
+    def keep(module: nn.Module, args: tuple[torch.Tensor, ...]) -> None:
+        if torch.is_grad_enabled() and module is model[0]:
+            inputs.setdefault(step, []).append(args[0].detach().clone())
+
+    model[0].register_forward_pre_hook(keep)
+    handle = watch(model, optimizer, scaler, transport=collector, fp8_stats_every=3,
+                   fp8_recipe="blockwise", flush_interval=0.05)  # fmt: skip
+    for step in range(1, 6):
+        for _ in range(2):  # gradient accumulation: activations of both micro-batches
+            with torch.autocast("cpu", dtype=torch.float16):
+                loss = model(torch.randn(16, 64) * 3).float().pow(2).mean()
+            scaler.scale(loss).backward()
+        with torch.no_grad():
+            model(torch.randn(4, 64) * 1e6)  # an evaluation forward does not count
+        scaler.step(optimizer)
+        scaler.update()
+        expected[step] = {
+            "weight": {"0.weight": model[0].weight.detach().clone(),
+                       "3.weight": model[3].weight.detach().clone()},
+            "grad": {"0.weight": model[0].weight.grad.clone()},
+        }  # fmt: skip
+        optimizer.zero_grad()
+    handle.detach(timeout=10)
+    assert handle.counters["hook_errors"] == 0
+
+    records = collector.fp8_records()
+    assert sorted({r["step"] for r in records}) == [1, 4]
+    assert collector.events("run_start")[0]["data"]["fp8_recipe"] == "blockwise"
+    by_role = {(r["step"], next(iter(r["stats"])).split("_")[1]): r for r in records}
+    assert by_role[(1, "weight")]["names"] == ["0.weight", "2.weight", "3.weight"]
+    assert by_role[(1, "grad")]["names"] == ["0.weight", "2.weight"]  # 3 is frozen
+    assert by_role[(1, "act")]["names"] == ["0.weight", "2.weight", "3.weight"]
+    for step in (1, 4):
+        for role in ("weight", "grad"):
+            record = by_role[(step, role)]
+            for name, tensor in expected[step][role].items():
+                i = record["names"].index(name)
+                truth = direct(tensor, "e4m3", "tile")
+                assert record["stats"][f"fp8_{role}_e4m3_tile_flush"][i] == truth["flush"]
+                stat = record["stats"][f"fp8_{role}_e5m2_block_error"][i]
+                assert stat == pytest.approx(direct(tensor, "e5m2", "block")["error"], rel=1e-4)
+        act = by_role[(step, "act")]
+        batches = inputs[step]  # layer 0's inputs in the step's two micro-batches
+        assert len(batches) == 2
+        flushed = sum(round(direct(x, "e4m3", "tile")["flush"] * x.numel()) for x in batches)
+        numel = sum(x.numel() for x in batches)
+        assert act["stats"]["fp8_act_e4m3_tile_flush"][0] == flushed / numel
