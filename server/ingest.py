@@ -40,6 +40,7 @@ from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.models import (
+    RUN_KEY,
     Base,
     Event,
     IngestedBatch,
@@ -97,13 +98,17 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
         "created_at": now,
         "last_seen_at": now,
     }
-    locked = select(Run).where(Run.client_run_id == batch.run.client_run_id).with_for_update()
+    locked = (
+        select(Run)
+        .where(Run.project == batch.run.project, Run.client_run_id == batch.run.client_run_id)
+        .with_for_update()
+    )
     run = session.scalars(locked).one_or_none()
     if run is None:
         ensure_project(session, batch.run.project)  # runs.project refers to projects.name
         # DO NOTHING: a concurrent first batch of the same run may have inserted it since.
         statement = dialect_insert(session, Run)
-        session.execute(statement.on_conflict_do_nothing(index_elements=["client_run_id"]), new_run)
+        session.execute(statement.on_conflict_do_nothing(index_elements=RUN_KEY), new_run)
         run = session.scalars(locked).one()
     return run
 

@@ -7,10 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ampwatch.server.advisor import restart_candidates, run_config
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.schemas import MAX_BIGINT, RestartCandidates
 
-router = APIRouter(prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS)
+router = APIRouter(
+    route_class=SessionRoute, prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS
+)
 
 
 @router.get("/{run_id}/restart-candidates")

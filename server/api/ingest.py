@@ -17,12 +17,12 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ValidationError
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.schemas import BatchIn, ErrorPublic, IngestAck
 
-router = APIRouter(tags=["ingest"])
+router = APIRouter(route_class=SessionRoute, tags=["ingest"])
 
 #: A batch with thousands of bad values would otherwise answer with thousands of errors.
 MAX_REPORTED_ERRORS = 20
@@ -135,8 +135,7 @@ def ingest(
     except ValidationError as error:
         raise HTTPException(status_code=422, detail=_validation_detail(error)) from None
     named = batch.run.project if "project" in batch.run.model_fields_set else None
-    with request.app.state.sessionmaker() as check:
-        batch.run.project = project_for_new_data(check, principal, batch.run.client_run_id, named)
+    batch.run.project = project_for_new_data(principal, named)
     ack = ingest_batch(session, batch)
     request.app.state.ingest_counters.record_batch(batch, duplicate=ack.duplicate)
     return ack
