@@ -15,7 +15,6 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
-import pytest
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
