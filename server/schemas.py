@@ -46,12 +46,20 @@ MAX_BIGINT = 2**63 - 1
 MAX_INT = 2**31 - 1
 #: Event times are Unix seconds; this bound (year 9999) keeps them convertible to datetime.
 MAX_EVENT_TIME = 253_402_300_799.0
+#: Deepest nesting of an event's free-form `data`: 300 levels were stored, and then every
+#: read that renders events or alerts answered 500 (the serialiser's recursion limit).
+MAX_DATA_DEPTH = 16
 
 #: A name as stored: non-empty, bounded, and free of NUL, which PostgreSQL text rejects.
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[^\x00]*$")
 ]
-StepNumber = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
+#: Largest step number accepted: 2^53 - 1, the largest integer the dashboard's JavaScript
+#: holds exactly, with room below BIGINT for the arithmetic reads do on steps (2^63 - 1
+#: was stored, then the restart advisor answered 500, "bigint out of range").
+MAX_STEP = 2**53 - 1
+StepNumber = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Seq = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
 Rank = Annotated[int, Field(ge=0, le=MAX_INT)]
 #: The sending process's id (wire `STREAM_*`): part of the idempotency key with run and seq.
 Stream = Annotated[
@@ -244,6 +252,8 @@ class EventIn(_WireModel):
     @field_validator("data")
     @classmethod
     def _wire_encode_data(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if _depth(data, MAX_DATA_DEPTH) > MAX_DATA_DEPTH:
+            raise ValueError(f"data is nested deeper than {MAX_DATA_DEPTH} levels")
         # A JSON parser may accept NaN/Infinity literals; stored JSON must not contain them.
         return _encode_non_finite(data)  # type: ignore[no-any-return]
 
@@ -254,7 +264,7 @@ class BatchIn(_WireModel):
     wire_version: int
     run: RunIn
     stream: Stream
-    seq: StepNumber
+    seq: Seq
     steps: list[StepIn] = Field(default_factory=list)
     layer_stats: list[LayerStatsIn] = Field(default_factory=list)
     events: list[EventIn] = Field(default_factory=list)
@@ -277,6 +287,14 @@ class BatchIn(_WireModel):
                 f"{WIRE_VERSION}; run an agent and collector of matching releases"
             )
         return version
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of JSON-like `value` (a scalar is 0), counted no further than limit+1."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(item, limit - 1) for item in items), default=0)
 
 
 def _encode_non_finite(value: Any) -> Any:

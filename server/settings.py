@@ -57,6 +57,20 @@ class Settings(BaseSettings):
         "derived from host and port when empty.",
     )
     dashboard: bool = Field(default=True, description="Mount the Dash app at /dashboard/.")
+    worker_threads: int = Field(
+        default=8,
+        ge=1,
+        le=256,
+        description="Threads per collector process that run API requests (anyio's default "
+        "is 40). More threads only queue for the GIL: with 40 busy ones the event loop waited "
+        "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients.",
+    )
+    max_active_requests: int = Field(
+        default=32,
+        ge=1,
+        description="Requests per collector process worked on at once; more wait their turn "
+        "(never refused), so /healthz is answered at once under load (`server/admission.py`).",
+    )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
         gt=0,

@@ -4,15 +4,16 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any, cast
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
 from ampwatch.server.auth import Principal, resolve_principal, run_project
+from ampwatch.server.errors import StrictJSONRequest
 from ampwatch.server.schemas import MAX_INT, ErrorPublic
 from ampwatch.server.settings import Settings
 
@@ -58,11 +59,21 @@ class SessionRoute(APIRoute):
     froze until the pool's 30 s timeout answered 500s. Closed here, a connection is only
     ever held by a running thread, so the pool always drains. Every router under `api/`
     uses this class (`APIRouter(route_class=SessionRoute)`); endpoints return finished
-    pydantic models, never ORM objects that would load after the close.
+    pydantic models, never ORM objects that would load after the close. Its JSON bodies
+    are parsed strictly (`errors.StrictJSONRequest`).
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """Bodies are read as strict JSON (`errors.StrictJSONRequest`: NaN is a 422)."""
+        handler = super().get_route_handler()
+
+        async def strict_json(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict_json
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
