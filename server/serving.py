@@ -60,7 +60,7 @@ def settings_environment(settings: Settings) -> dict[str, str]:
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
         elif isinstance(value, (list, dict)):
-            value = json.dumps(value)
+            value = json.dumps(value, default=str)  # networks (webhook_allowed_networks)
         elif isinstance(value, bool):
             value = "true" if value else "false"
         env[f"AMPWATCH_{name.upper()}"] = str(value)
