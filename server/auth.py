@@ -168,11 +168,18 @@ def any_credential(session: Session, settings: Settings) -> bool:
     return settings.admin_token is not None or bool(session.scalar(select(exists(Token.id))))
 
 
-def trusts_everyone(session: Session, settings: Settings) -> bool:
-    """Whether requests need no token: the explicit override, or the local-trust default."""
+def trusts_everyone(session: Session, settings: Settings, peer: str | None = None) -> bool:
+    """Whether requests need no token: the explicit override, or the local-trust default.
+
+    `peer` is the caller's address as the connection shows it: local trust needs a
+    loopback caller too, since the configured host is not always the bound one
+    (`uvicorn --factory ... --host 0.0.0.0` keeps the default 127.0.0.1 setting).
+    """
     if settings.auth == "open":
         return True
     if settings.auth == "token" or not is_loopback(settings.host):
+        return False
+    if peer is not None and not is_loopback(peer):
         return False
     return not any_credential(session, settings)
 
@@ -198,14 +205,16 @@ def check_exposure(session: Session, settings: Settings) -> None:
         )
 
 
-def resolve_principal(session: Session, settings: Settings, authorization: str | None) -> Principal:
+def resolve_principal(
+    session: Session, settings: Settings, authorization: str | None, *, peer: str | None = None
+) -> Principal:
     """Who sent a request with this `Authorization` header (raises AuthError 401).
 
     A presented token is always checked, even where no token is required: a wrong token
     is a misconfiguration the caller should hear about.
     """
     if not authorization:
-        if trusts_everyone(session, settings):
+        if trusts_everyone(session, settings, peer):
             return Principal(project=None)
         raise AuthError(401, "this collector needs a token: send 'Authorization: Bearer <token>'")
     scheme, _, token = authorization.partition(" ")

@@ -20,6 +20,7 @@ from ampwatch.server.api import advisor, alerts, health, ingest, run_data, runs,
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
 
 API_PREFIX = "/api/v1"
@@ -69,6 +70,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_exception_handler(auth.AuthError, _auth_error)
     app.add_exception_handler(RequestValidationError, errors.validation_error)
     app.add_middleware(errors.RejectNul)
+    app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)
     # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
     authenticated = {"dependencies": [Depends(get_principal)], "responses": AUTH_ERRORS}

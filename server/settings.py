@@ -73,6 +73,12 @@ class Settings(BaseSettings):
         "is 40). More threads only queue for the GIL: with 40 busy ones the event loop waited "
         "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients.",
     )
+    request_head_timeout: float = Field(
+        default=10.0,
+        gt=0,
+        description="Seconds a connection may take to send a request's headers, after "
+        "opening or after its previous answer; then it is closed (`server/connections.py`).",
+    )
     max_active_requests: int = Field(
         default=32,
         ge=1,

@@ -115,7 +115,8 @@ def get_principal(
     if request.headers.get(DELIVERY_HEADER):
         raise AuthError(403, "webhook deliveries may not call the collector's API")
     with request.app.state.sessionmaker() as session:
-        return resolve_principal(session, settings, request.headers.get("authorization"))
+        peer = request.client.host if request.client else None
+        return resolve_principal(session, settings, request.headers.get("authorization"), peer=peer)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
