@@ -56,6 +56,10 @@ def foreign_browser_request(headers: Headers, scheme: str, settings: Settings) -
     return None
 
 
+#: Probes answer whatever the Host: load balancers and orchestrators use any name.
+PROBE_PATHS = frozenset({"/healthz", "/readyz"})
+
+
 class LocalTrustGuard:
     """ASGI middleware applying `foreign_browser_request` (`main.create_app`)."""
 
@@ -65,7 +69,7 @@ class LocalTrustGuard:
         self._active = settings.auth != "token" and is_loopback(settings.host)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._active and scope["type"] == "http" and scope.get("path") != "/healthz":
+        if self._active and scope["type"] == "http" and scope.get("path") not in PROBE_PATHS:
             reason = foreign_browser_request(Headers(scope=scope), scope["scheme"], self._settings)
             if reason is not None:
                 await JSONResponse({"detail": reason}, status_code=403)(scope, receive, send)
