@@ -11,7 +11,9 @@ NaN), and a NUL byte in a path or query parameter (PostgreSQL text rejects it). 
 - `StrictJSONRequest` parses bodies with orjson, which refuses NaN/Infinity literals,
   numbers that overflow a double and nesting deeper than 1,024, as "JSON decode error"
   422s (the ingest route reads its body by hand, `api.ingest`);
-- `RejectNul` answers 400 to a NUL byte in the path or query string before any route.
+- `RejectNul` answers 400 to a NUL byte in the path or query string before any route;
+- `database_busy`: a database that is busy (SQLite's write lock past its busy timeout) or
+  unreachable is a 503 with Retry-After, which agents retry, not a 500.
 """
 
 from __future__ import annotations
@@ -51,6 +53,15 @@ async def validation_error(_request: Request, error: Exception) -> JSONResponse:
     """The app's RequestValidationError handler (`main.create_app`)."""
     assert isinstance(error, RequestValidationError)
     return JSONResponse({"detail": validation_detail(error.errors())}, status_code=422)
+
+
+async def database_busy(_request: Request, _error: Exception) -> JSONResponse:
+    """The app's handler for sqlalchemy's OperationalError and pool TimeoutError."""
+    return JSONResponse(
+        {"detail": "the database is busy or unreachable; retry shortly"},
+        status_code=503,
+        headers={"Retry-After": "1"},
+    )
 
 
 class StrictJSONRequest(Request):

@@ -12,6 +12,8 @@ import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import auth, errors, metrics, migrate, notify
@@ -69,6 +71,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         )
     app.add_exception_handler(auth.AuthError, _auth_error)
     app.add_exception_handler(RequestValidationError, errors.validation_error)
+    for busy in (OperationalError, PoolTimeout):
+        app.add_exception_handler(busy, errors.database_busy)
     app.add_middleware(errors.RejectNul)
     app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)

@@ -6,7 +6,10 @@ Each case is what a probe of the collector found answering 500 before.
 
 from __future__ import annotations
 
+import gzip
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import httpx
@@ -14,7 +17,13 @@ import pytest
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server.schemas import MAX_BIGINT, MAX_DATA_DEPTH, MAX_STEP
+from ampwatch.server.schemas import (
+    MAX_BATCH_LAYER_NAMES,
+    MAX_BATCH_LAYER_VALUES,
+    MAX_BIGINT,
+    MAX_DATA_DEPTH,
+    MAX_STEP,
+)
 
 NON_FINITE_LITERALS = ["NaN", "Infinity", "-Infinity", "1e999"]
 
@@ -120,3 +129,49 @@ def test_nul_bytes_in_body_names_are_422(client: httpx.Client) -> None:
     batch = make_batch(0, client_run_id="nul")
     batch["layer_stats"] = [{"step": 1, "names": ["w\x00"], "stats": {"zero_fraction": [0.5]}}]
     _assert_clear_4xx(client.post(INGEST_PATH, json=batch), 422)
+
+
+def test_oversized_batches_are_422_and_store_nothing(
+    client: httpx.Client, count_rows: Callable[[], dict[str, int]]
+) -> None:
+    before = count_rows()
+    many_steps = make_batch(0, client_run_id="big", steps=[step_record(i) for i in range(50_001)])
+    answer = client.post(INGEST_PATH, json=many_steps)
+    _assert_clear_4xx(answer, 422)
+    assert "at most 50000" in answer.text
+    # The probe: a million new layer names held SQLite's write lock for 39 s.
+    wide = make_batch(0, client_run_id="wide")
+    names = [f"l{i}" for i in range(10**6)]
+    wide["layer_stats"] = [{"step": 1, "names": names, "stats": {"zero_fraction": [0] * 10**6}}]
+    started = time.monotonic()
+    answer = client.post(INGEST_PATH, json=wide)
+    _assert_clear_4xx(answer, 422)
+    assert f"at most {MAX_BATCH_LAYER_NAMES}" in answer.text
+    assert time.monotonic() - started < 10
+    # Many values over few names: 33 records x 65,536 names > MAX_BATCH_LAYER_VALUES.
+    names = [f"l{i}" for i in range(MAX_BATCH_LAYER_NAMES)]
+    deep = make_batch(0, client_run_id="deep")
+    records = MAX_BATCH_LAYER_VALUES // MAX_BATCH_LAYER_NAMES + 2
+    deep["layer_stats"] = [{"step": s, "names": names, "stats": {"zero_fraction": [0] * len(names)}}
+                           for s in range(records)]  # fmt: skip
+    answer = client.post(INGEST_PATH, content=gzip.compress(json.dumps(deep).encode()),
+                         headers={"Content-Encoding": "gzip"})  # fmt: skip
+    assert answer.status_code in (413, 422), answer.text[:300]
+    assert count_rows() == before
+
+
+def test_the_layer_name_cache_is_bounded_by_names_not_runs() -> None:
+    from collections import OrderedDict
+    from datetime import datetime, timezone
+
+    from ampwatch.server import ingest
+
+    cache: OrderedDict[tuple[str, int, datetime], dict[str, int]] = OrderedDict()
+    moment = datetime.now(timezone.utc)
+    per_run = ingest._NAMES_CACHED_PER_ENGINE // 4
+    for run in range(10):
+        ingest._remember(cache, ("layers", run, moment), {f"n{i}": i for i in range(per_run)})
+    assert sum(map(len, cache.values())) <= ingest._NAMES_CACHED_PER_ENGINE
+    assert [key[1] for key in cache] == [6, 7, 8, 9]  # the most recent runs stay
+    ingest._remember(cache, ("layers", 99, moment), {f"n{i}": i for i in range(10**6)})
+    assert not cache  # one run over the bound alone is not kept
