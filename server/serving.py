@@ -17,7 +17,7 @@ from typing import Any
 import uvicorn
 from pydantic import SecretStr
 
-from ampwatch.server.connections import head_deadline_protocol
+from ampwatch.server.connections import HeadDeadlineProtocol
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.settings import Settings
@@ -45,10 +45,10 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
 
 def _config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
     """uvicorn's configuration for `app`: quiet, and idle connections closed
-    (`connections.head_deadline_protocol`)."""
+    (`connections.HeadDeadlineProtocol`)."""
     return uvicorn.Config(
-        app, log_level="warning", access_log=False,
-        http=head_deadline_protocol(settings.request_head_timeout),
+        app, log_level="warning", access_log=False, http=HeadDeadlineProtocol,
+        timeout_keep_alive=settings.request_head_timeout,  # type: ignore[arg-type]
         **options,
     )  # fmt: skip
 

@@ -77,7 +77,8 @@ class Settings(BaseSettings):
         default=10.0,
         gt=0,
         description="Seconds a connection may take to send a request's headers, after "
-        "opening or after its previous answer; then it is closed (`server/connections.py`).",
+        "opening or after its previous answer; then it is closed (`server/connections.py`; "
+        "also uvicorn's keep-alive timeout).",
     )
     max_active_requests: int = Field(
         default=32,
