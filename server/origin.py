@@ -14,6 +14,11 @@ preflight), and a DNS name rebound to 127.0.0.1 reads the API under the attacker
 
 Active while the collector listens on loopback and `auth` is not `token` (with tokens
 required, a page has none to send). Beyond loopback, tokens are required anyway.
+
+Always, whatever the mode: a request from this collector's own webhook client
+(`webhook_client.DELIVERY_HEADER`) is refused before any route, on the event loop: a
+webhook pointed at the collector (its `/webhooks/{id}/test`, say) would make it call
+itself, each call holding a worker thread while it waits for the next.
 """
 
 from __future__ import annotations
@@ -26,6 +31,7 @@ from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server.auth import is_loopback
 from ampwatch.server.settings import Settings
+from ampwatch.server.webhook_client import DELIVERY_HEADER
 
 
 def _origin_of(url: str) -> str:
@@ -69,8 +75,13 @@ class LocalTrustGuard:
         self._active = settings.auth != "token" and is_loopback(settings.host)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
-        if self._active and scope["type"] == "http" and scope.get("path") not in PROBE_PATHS:
-            reason = foreign_browser_request(Headers(scope=scope), scope["scheme"], self._settings)
+        if scope["type"] == "http":
+            headers = Headers(scope=scope)
+            reason = None
+            if DELIVERY_HEADER in headers:
+                reason = "webhook deliveries may not call the collector"
+            elif self._active and scope.get("path") not in PROBE_PATHS:
+                reason = foreign_browser_request(headers, scope["scheme"], self._settings)
             if reason is not None:
                 await JSONResponse({"detail": reason}, status_code=403)(scope, receive, send)
                 return

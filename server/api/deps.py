@@ -12,11 +12,10 @@ from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
-from ampwatch.server.auth import AuthError, Principal, resolve_principal, run_project
+from ampwatch.server.auth import Principal, resolve_principal, run_project
 from ampwatch.server.errors import StrictJSONRequest
 from ampwatch.server.schemas import MAX_INT, ErrorPublic
 from ampwatch.server.settings import Settings
-from ampwatch.server.webhook_client import DELIVERY_HEADER
 
 
 def get_settings(request: Request) -> Settings:
@@ -108,15 +107,12 @@ def get_principal(
     """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`).
 
     Uses a session of its own, closed before the endpoint runs, so that an endpoint that
-    writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`). A
-    request from this collector's own webhook client is refused: a webhook pointed at
-    the collector (its `/test`, say) would make it call itself, over and over.
+    writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
-    if request.headers.get(DELIVERY_HEADER):
-        raise AuthError(403, "webhook deliveries may not call the collector's API")
     with request.app.state.sessionmaker() as session:
         peer = request.client.host if request.client else None
-        return resolve_principal(session, settings, request.headers.get("authorization"), peer=peer)
+        authorization = request.headers.get("authorization")
+        return resolve_principal(session, settings, authorization, peer=peer)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
