@@ -8,12 +8,20 @@ costs a third over the gzip body but keeps every frame self-delimiting without a
 prefix that a torn write could corrupt. Each body carries its own (run, stream, seq), so a file needs
 no header, can hold several runs, and replaying it twice stores nothing twice.
 
-The spool is a directory of such files ("segments", named by their first seq, appended to,
-deleted once every batch in them is acknowledged), bounded by `max_bytes`: when full it
+The spool is a directory of such files ("segments", named by their first seq and the
+writing process's nonce, appended to, deleted once every batch in them is acknowledged),
+bounded by `max_bytes`: when full it
 empties the oldest batches of their layer statistics first, then of steps and events, and
 writes what it removed into that batch's own "dropped" field (so the count arrives with the
 seq; a batch the collector already stored is a duplicate, and nothing was lost). Only when
 the spool holds nothing but such empty batches are the oldest segments deleted.
+
+A process that dies leaves its segments behind; the next `Spool` of the same directory
+(the next `watch()` of the same run) adopts them and replays them first, unchanged, so
+their (run, stream, seq) make the delivery exactly once. Each spool holds an advisory
+lock (`<nonce>.lock`, `flock`) while it lives, so segments of a live process (another
+rank of the same run on this host) are never adopted; without `fcntl` (Windows) nothing
+is adopted and `ampwatch upload` replays what is left.
 """
 
 from __future__ import annotations
@@ -21,8 +29,11 @@ from __future__ import annotations
 import base64
 import binascii
 import gzip
+import hashlib
 import json
 import os
+import re
+import urllib.parse
 import uuid
 import zlib
 from collections import deque
@@ -33,18 +44,69 @@ from typing import Any
 
 from ampwatch.agent import wire
 
+try:
+    import fcntl
+except ImportError:  # pragma: no cover - Windows: no adoption (module docstring)
+    fcntl = None  # type: ignore[assignment]
+
 SEGMENT_SUFFIX = ".spool"
+LOCK_SUFFIX = ".lock"
+_SEGMENT_NAME = re.compile(r"^\d{12}-(?P<nonce>[0-9a-f]{8})" + re.escape(SEGMENT_SUFFIX) + "$")
+#: Longest folder name used as is; longer run ids are cut and suffixed with their hash.
+_MAX_FOLDER_NAME = 200
 #: What the bound empties first: the bulky sampled statistics, then the alerting series.
 STRIP_ORDER: tuple[tuple[str, ...], ...] = (("layer_stats",), ("steps", "events"))
 
 
+def spool_folder_name(client_run_id: str) -> str:
+    """`client_run_id` as one folder name that stays inside the spool root: a plain id is
+    kept as is; `/`, `..` and other characters a path would read are %-quoted.
+
+    >>> spool_folder_name("../../etc")
+    '..%2F..%2Fetc'
+    >>> spool_folder_name("..")
+    '%2E%2E'
+    """
+    name = urllib.parse.quote(client_run_id, safe="")
+    if name.strip(".") == "":  # "", ".", "..": not a folder of their own
+        name = name.replace(".", "%2E") or "%00"
+    if len(name) > _MAX_FOLDER_NAME:
+        digest = hashlib.sha256(client_run_id.encode()).hexdigest()[:16]
+        name = f"{name[: _MAX_FOLDER_NAME - 17]}-{digest}"
+    return name
+
+
 def default_spool_dir(client_run_id: str) -> Path:
-    """`$AMPWATCH_SPOOL_DIR/<run>` or `~/.cache/ampwatch/spool/<run>` (XDG_CACHE_HOME)."""
+    """`$AMPWATCH_SPOOL_DIR/<run>` or `~/.cache/ampwatch/spool/<run>` (XDG_CACHE_HOME),
+    `<run>` made a safe folder name (`spool_folder_name`)."""
     root = os.environ.get("AMPWATCH_SPOOL_DIR")
-    if root:
-        return Path(root) / client_run_id
-    cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(cache) / "ampwatch" / "spool" / client_run_id
+    if not root:
+        cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+        root = str(Path(cache) / "ampwatch" / "spool")
+    return Path(root) / spool_folder_name(client_run_id)
+
+
+def hold_lock(path: Path) -> int | None:
+    """An exclusive `flock` on `path` (created if missing) as an open descriptor, or None
+    when another live process holds it (or locks are unavailable)."""
+    if fcntl is None:
+        return None
+    try:
+        descriptor = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    except OSError:
+        return None
+    try:
+        fcntl.flock(descriptor, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        os.close(descriptor)
+        return None
+    return descriptor
+
+
+def segment_owner(path: Path) -> str | None:
+    """The nonce of the spool that wrote segment `path` (None: not a segment name)."""
+    match = _SEGMENT_NAME.match(path.name)
+    return match["nonce"] if match else None
 
 
 def encode_frame(body: bytes) -> bytes:
@@ -119,6 +181,8 @@ class _Segment:
     path: Path
     entries: deque[_Entry] = field(default_factory=deque)
     end: int = 0  # file size
+    #: Left by a dead process: replayed, never appended to (its last line may be torn).
+    adopted: bool = False
 
     def intact(self) -> bool:
         """Still the file this process wrote (not deleted or changed by someone else)?"""
@@ -135,6 +199,29 @@ class _Segment:
         if body is None:
             raise ValueError(f"{self.path} is damaged at byte {entry.offset}")
         return Frame(entry.seq, body, dict(entry.records), dict(entry.drops))
+
+
+def _scan(path: Path) -> _Segment | None:
+    """A segment another process wrote, as entries (torn lines skipped); None if unreadable."""
+    segment = _Segment(path, adopted=True)
+    try:
+        with path.open("rb") as lines:
+            for line in lines:
+                body = decode_frame(line) if line.strip() else None
+                if body is not None:
+                    batch = json.loads(gzip.decompress(body))
+                    records = {kind: len(batch.get(kind) or []) for kind in wire.DROPPED_KINDS}
+                    drops = {k: int(batch.get("dropped", {}).get(k, 0)) for k in wire.DROPPED_KINDS}
+                    segment.entries.append(
+                        _Entry(int(batch["seq"]), segment.end, len(line), records, drops)
+                    )
+                segment.end += len(line)
+    except (OSError, ValueError, KeyError, TypeError):
+        return None
+    if not segment.entries:  # nothing deliverable: only torn lines
+        path.unlink(missing_ok=True)
+        return None
+    return segment
 
 
 class Spool:
@@ -156,14 +243,63 @@ class Spool:
         self._nonce = uuid.uuid4().hex[:8]
         self._head: Frame | None = None
         self.nbytes = 0  # of the frames not yet acknowledged
+        self._lock: int | None = None  # held from our first segment on
+        self._adopted: dict[str, int] | None = None  # dead owners' nonce -> lock held
 
     def __len__(self) -> int:
+        self._adopt()
         return sum(len(segment.entries) for segment in self._segments)
+
+    def _adopt(self) -> None:
+        """Once, before first use (on the sender thread): take over the segments that dead
+        processes left in this directory, oldest first, ahead of anything of ours."""
+        if self._adopted is not None:
+            return
+        self._adopted = {}
+        if fcntl is None or not self.directory.is_dir():
+            return
+        by_owner: dict[str, list[Path]] = {}
+        for path in sorted(self.directory.glob(f"*{SEGMENT_SUFFIX}")):
+            owner = segment_owner(path)
+            if owner is not None and owner != self._nonce:
+                by_owner.setdefault(owner, []).append(path)
+        adopted: list[_Segment] = []
+        for owner, paths in by_owner.items():
+            lock = hold_lock(self.directory / f"{owner}{LOCK_SUFFIX}")
+            if lock is None:  # alive: another rank of this run, say
+                continue
+            self._adopted[owner] = lock
+            adopted += [segment for path in paths if (segment := _scan(path)) is not None]
+        adopted.sort(key=lambda segment: segment.path.name)
+        for segment in reversed(adopted):
+            self._segments.appendleft(segment)
+            self.nbytes += sum(entry.length for entry in segment.entries)
+        for owner in list(self._adopted):
+            self._release_if_done(owner)
+
+    def _release_if_done(self, owner: str | None) -> None:
+        """Drop a dead owner's lock file once none of its segments is left."""
+        if owner is None or not self._adopted or owner not in self._adopted:
+            return
+        if any(segment_owner(segment.path) == owner for segment in self._segments):
+            return
+        (self.directory / f"{owner}{LOCK_SUFFIX}").unlink(missing_ok=True)
+        os.close(self._adopted.pop(owner))
+
+    def _delete(self, segment: _Segment) -> None:
+        segment.path.unlink(missing_ok=True)
+        self._release_if_done(segment_owner(segment.path))
+        if self._lock is not None and not any(not s.adopted for s in self._segments):
+            # Nothing of ours on disk: no lock file left behind (a new segment takes one).
+            (self.directory / f"{self._nonce}{LOCK_SUFFIX}").unlink(missing_ok=True)
+            os.close(self._lock)
+            self._lock = None
 
     def carried_drops(self) -> dict[str, int]:
         """The drop counts the spooled batches carry in their own "dropped" fields (counted
         by the sender when they happened): a deleted batch takes them along, and they must be
         reported again, but not counted as new drops."""
+        self._adopt()
         total = dict.fromkeys(wire.DROPPED_KINDS, 0)
         for segment in self._segments:
             for entry in segment.entries:
@@ -175,9 +311,12 @@ class Spool:
         """Write `frame`, then hold the bound. Returns (records emptied from spooled batches,
         already counted in their own "dropped"; records lost with deleted segments, whose
         counts the caller must report in a later batch). Raises OSError (disk full...)."""
+        self._adopt()
         last = self._segments[-1] if self._segments else None
-        if last is None or last.end >= self._segment_bytes or not last.intact():
+        if last is None or last.adopted or last.end >= self._segment_bytes or not last.intact():
             self.directory.mkdir(parents=True, exist_ok=True)
+            if self._lock is None:  # before our first segment: never adopted while we live
+                self._lock = hold_lock(self.directory / f"{self._nonce}{LOCK_SUFFIX}")
             last = _Segment(self.directory / f"{frame.seq:012d}-{self._nonce}{SEGMENT_SUFFIX}")
             self._segments.append(last)
         line = encode_frame(frame.body)
@@ -195,6 +334,7 @@ class Spool:
     def peek(self) -> Frame | None:
         """The oldest unacknowledged frame, read back from disk (once). Raises OSError or
         ValueError if its segment was deleted or damaged under us; `pop()` skips it."""
+        self._adopt()
         if self._head is None and self._segments:
             segment = self._segments[0]
             self._head = segment.read(segment.entries[0])
@@ -209,7 +349,7 @@ class Spool:
         self._head = None
         if not segment.entries:
             self._segments.popleft()
-            segment.path.unlink(missing_ok=True)
+            self._delete(segment)
         return {kind: entry.records[kind] + entry.drops[kind] for kind in wire.DROPPED_KINDS}
 
     def _shrink(self, target: int) -> tuple[dict[str, int], dict[str, int]]:
@@ -229,7 +369,7 @@ class Spool:
                 for kind in wire.DROPPED_KINDS:
                     lost[kind] = lost.get(kind, 0) + entry.records[kind] + entry.drops[kind]
                 self.nbytes -= entry.length
-            segment.path.unlink(missing_ok=True)
+            self._delete(segment)
         return emptied, lost
 
     def _strip_segment(

@@ -4,19 +4,29 @@ Standard library only, so a training image can replay without the collector's ex
 Every batch carries its (run, stream, seq): the collector acknowledges one it already stored as a
 duplicate, so uploading a file twice, or a spool that was partly delivered, stores nothing
 twice. Batches are sent in file order; a collector that stays unreachable stops the upload
-(run it again later: what was delivered is acknowledged as duplicates).
+(run it again later: what was delivered is acknowledged as duplicates). From a spool
+directory, each segment whose batches were all acknowledged is deleted (unless a live
+process still writes it); an offline file is the user's and stays.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 from ampwatch.agent import wire
-from ampwatch.agent.spool import frame_files, read_frames
+from ampwatch.agent.spool import (
+    LOCK_SUFFIX,
+    SEGMENT_SUFFIX,
+    frame_files,
+    hold_lock,
+    read_frames,
+    segment_owner,
+)
 from ampwatch.agent.transport import post, request_headers, retry_delay
 
 
@@ -29,6 +39,7 @@ class UploadReport:
     rejected: int = 0  # 4xx: will never be stored (the message was printed)
     corrupt: int = 0  # lines that are not a whole batch (a torn last write)
     unsent: int = 0  # left when the collector stayed unreachable
+    removed: int = 0  # spool segments deleted, every batch in them acknowledged
 
     @property
     def complete(self) -> bool:
@@ -53,33 +64,63 @@ def upload(
     endpoint = url.rstrip("/") + wire.INGEST_PATH
     headers = request_headers(token)
     report = UploadReport()
-    frames = (body for file in frame_files(Path(path)) for body in read_frames(file))
-    for index, body in enumerate(frames):
-        if body is None:
-            report.corrupt += 1
-            continue
-        status: int | None = None
-        reply = b""
-        for attempt in range(1, attempts + 1):
-            try:
-                status, reply = post(endpoint, body, headers, timeout=timeout)
-            except OSError as exc:
-                status, reply = None, str(exc).encode()
-            if status is not None and 200 <= status < 300:
-                duplicate = bool(json.loads(reply or b"{}").get("duplicate"))
-                report.duplicates += duplicate
-                report.stored += not duplicate
-                break
-            delay = retry_delay(attempt, status)
-            if delay is None:
-                report.rejected += 1
-                detail = reply[:300].decode(errors="replace")
-                log(f"batch {index}: rejected (HTTP {status}): {detail}")
-                break
-            if attempt < attempts:
-                sleep(delay)
-        else:
-            report.unsent = 1 + sum(b is not None for b in frames)
-            log(f"the collector at {url} is unreachable ({reply[:200].decode(errors='replace')})")
-            return report
+    files = frame_files(Path(path))
+    spool = Path(path).is_dir()
+    index = -1
+    for number, file in enumerate(files):
+        acknowledged = True
+        frames = read_frames(file)
+        for body in frames:
+            index += 1
+            if body is None:
+                report.corrupt += 1  # a torn line: nothing to deliver, nothing to keep
+                continue
+            status: int | None = None
+            reply = b""
+            for attempt in range(1, attempts + 1):
+                try:
+                    status, reply = post(endpoint, body, headers, timeout=timeout)
+                except OSError as exc:
+                    status, reply = None, str(exc).encode()
+                if status is not None and 200 <= status < 300:
+                    duplicate = bool(json.loads(reply or b"{}").get("duplicate"))
+                    report.duplicates += duplicate
+                    report.stored += not duplicate
+                    break
+                delay = retry_delay(attempt, status)
+                if delay is None:
+                    report.rejected += 1
+                    acknowledged = False
+                    detail = reply[:300].decode(errors="replace")
+                    log(f"batch {index}: rejected (HTTP {status}): {detail}")
+                    break
+                if attempt < attempts:
+                    sleep(delay)
+            else:
+                later = (b for rest in files[number + 1 :] for b in read_frames(rest))
+                report.unsent = 1 + sum(b is not None for b in frames) + sum(
+                    b is not None for b in later
+                )
+                log(f"the collector at {url} is unreachable "
+                    f"({reply[:200].decode(errors='replace')})")  # fmt: skip
+                return report
+        if spool and acknowledged and _remove_delivered(file):
+            report.removed += 1
     return report
+
+
+def _remove_delivered(segment: Path) -> bool:
+    """Delete a delivered spool segment, unless the process that writes it is alive."""
+    owner = segment_owner(segment)
+    if segment.suffix != SEGMENT_SUFFIX or owner is None:
+        return False
+    lock_path = segment.with_name(f"{owner}{LOCK_SUFFIX}")
+    lock = hold_lock(lock_path)
+    if lock is None and lock_path.exists():
+        return False  # alive (or locks unavailable): its own sender deletes it
+    segment.unlink(missing_ok=True)
+    if lock is not None:
+        if not any(segment_owner(p) == owner for p in segment.parent.glob(f"*{SEGMENT_SUFFIX}")):
+            lock_path.unlink(missing_ok=True)
+        os.close(lock)
+    return True

@@ -105,12 +105,16 @@ class Principal:
             )
 
     def check_project(self, project: str) -> None:
-        """Raise 403 unless this caller may touch `project`'s runs."""
+        """Raise 403 unless this caller may touch `project`'s runs.
+
+        The message names only the caller's own project: a tenant probing run ids or
+        project names must not learn which other projects exist.
+        """
         if self.project is not None and project != self.project:
             raise AuthError(
                 403,
-                f"this token belongs to project {self.project!r} and cannot access "
-                f"project {project!r}; use a token of that project",
+                f"this token belongs to project {self.project!r} and cannot access another "
+                "project's data; use a token of that project",
             )
 
 
@@ -218,11 +222,18 @@ def any_credential(session: Session, settings: Settings) -> bool:
     return settings.admin_token is not None or bool(session.scalar(select(exists(Token.id))))
 
 
-def trusts_everyone(session: Session, settings: Settings) -> bool:
-    """Whether requests need no token: the explicit override, or the local-trust default."""
+def trusts_everyone(session: Session, settings: Settings, peer: str | None = None) -> bool:
+    """Whether requests need no token: the explicit override, or the local-trust default.
+
+    `peer` is the caller's address as the connection shows it: local trust needs a
+    loopback caller too, since the configured host is not always the bound one
+    (`uvicorn --factory ... --host 0.0.0.0` keeps the default 127.0.0.1 setting).
+    """
     if settings.auth == "open":
         return True
     if settings.auth == "token" or not is_loopback(settings.host):
+        return False
+    if peer is not None and not is_loopback(peer):
         return False
     return not any_credential(session, settings)
 
@@ -249,16 +260,22 @@ def check_exposure(session: Session, settings: Settings) -> None:
 
 
 def resolve_principal(
-    session: Session, settings: Settings, authorization: str | None, *, access: str = "write"
+    session: Session,
+    settings: Settings,
+    authorization: str | None,
+    *,
+    access: str = "write",
+    peer: str | None = None,
 ) -> Principal:
     """Who sent a request with this `Authorization` header, needing `access`
-    (`required_access`); raises AuthError 401, or 403 when the token's scope lacks it.
+    (`required_access`) from `peer` (the connection's address); raises AuthError 401, or
+    403 when the token's scope lacks it.
 
     A presented token is always checked, even where no token is required: a wrong token
     is a misconfiguration the caller should hear about.
     """
     if not authorization:
-        if trusts_everyone(session, settings):
+        if trusts_everyone(session, settings, peer):
             return Principal(project=None)
         raise AuthError(401, "this collector needs a token: send 'Authorization: Bearer <token>'")
     scheme, _, token = authorization.partition(" ")
@@ -292,23 +309,17 @@ def run_project(session: Session, run_id: int) -> str | None:
     return session.scalar(select(Run.project).where(Run.id == run_id))
 
 
-def project_for_new_data(
-    session: Session, principal: Principal, client_run_id: str, named: str | None
-) -> str:
-    """The project a write for run `client_run_id` goes to (raises AuthError 403).
+def project_for_new_data(principal: Principal, named: str | None) -> str:
+    """The project a write (a run's creation or a batch) goes to (raises AuthError 403).
 
     `named` is the project the request names, None when it names none: then a project
-    token's own project applies, else `default`. A run that exists keeps its project.
-    A project named for the first time is created with the run, in the write's
-    transaction (`ensure_project`), so a refused write leaves no project behind.
+    token's own project applies, else `default`. A run is keyed by (project,
+    client_run_id), so the write finds or creates its run inside its own project only:
+    two tenants that pick the same client run id (from a job name, say) get two runs,
+    and no tenant can squat or reach another's. A project named for the first time is
+    created with the run, in the write's transaction (`ensure_project`), so a refused
+    write leaves no project behind.
     """
     project = named if named is not None else principal.project or DEFAULT_PROJECT
     principal.check_project(project)
-    existing = session.scalar(select(Run.project).where(Run.client_run_id == client_run_id))
-    if existing is not None and existing != project:
-        if principal.project is not None:  # do not tell a tenant other projects' names
-            raise AuthError(403, f"run {client_run_id!r} belongs to another project")
-        raise AuthError(
-            403, f"run {client_run_id!r} belongs to project {existing!r}, not {project!r}"
-        )
     return project

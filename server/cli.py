@@ -141,6 +141,7 @@ def cmd_upload(args: argparse.Namespace) -> int:
         f"{args.path} -> {url}: {report.stored} batches stored, {report.duplicates} "
         f"already there, {report.rejected} rejected, {report.corrupt} unreadable, "
         f"{report.unsent} not sent"
+        + (f"; {report.removed} delivered spool files removed" if report.removed else "")
     )
     return 0 if report.complete else 1
 

@@ -16,6 +16,7 @@ be affected -- which the agent never produces (a step is measured once).
 from __future__ import annotations
 
 import math
+import threading
 from collections import OrderedDict
 from collections.abc import Sequence
 from datetime import datetime, timezone
@@ -40,6 +41,7 @@ from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.models import (
+    RUN_KEY,
     Base,
     Event,
     IngestedBatch,
@@ -97,13 +99,17 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
         "created_at": now,
         "last_seen_at": now,
     }
-    locked = select(Run).where(Run.client_run_id == batch.run.client_run_id).with_for_update()
+    locked = (
+        select(Run)
+        .where(Run.project == batch.run.project, Run.client_run_id == batch.run.client_run_id)
+        .with_for_update()
+    )
     run = session.scalars(locked).one_or_none()
     if run is None:
         ensure_project(session, batch.run.project)  # runs.project refers to projects.name
         # DO NOTHING: a concurrent first batch of the same run may have inserted it since.
         statement = dialect_insert(session, Run)
-        session.execute(statement.on_conflict_do_nothing(index_elements=["client_run_id"]), new_run)
+        session.execute(statement.on_conflict_do_nothing(index_elements=RUN_KEY), new_run)
         run = session.scalars(locked).one()
     return run
 
@@ -152,26 +158,46 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
 #: ~7 ms batch. Only mappings read from the database are kept, never names this
 #: transaction inserts (a rollback would leave them dangling); an assignment never
 #: changes once committed, so a hit is always right and a miss rereads the table. The
-#: creation time tells a new run from a deleted one whose id SQLite reused.
+#: creation time tells a new run from a deleted one whose id SQLite reused. Bounded by
+#: runs and by names in all (~150 bytes each): a count of runs alone let a few runs with
+#: a million names each hold gigabytes.
 _NAMES: WeakKeyDictionary[Engine, OrderedDict[tuple[str, int, datetime], dict[str, int]]]
 _NAMES = WeakKeyDictionary()
 _NAMES_PER_ENGINE = 1024
+_NAMES_CACHED_PER_ENGINE = 200_000
+_NAMES_LOCK = threading.Lock()
+
+
+def _remember(
+    cache: OrderedDict[tuple[str, int, datetime], dict[str, int]],
+    key: tuple[str, int, datetime],
+    indices: dict[str, int],
+) -> None:
+    """Cache `indices`, then evict the least recently used runs down to both bounds."""
+    cache[key] = indices
+    cache.move_to_end(key)
+    cached = sum(map(len, cache.values()))
+    while cache and (len(cache) > _NAMES_PER_ENGINE or cached > _NAMES_CACHED_PER_ENGINE):
+        cached -= len(cache.popitem(last=False)[1])
 
 
 def _name_indices(
     session: Session, model: type[Layer | Module], run: Run, names: list[list[str]]
 ) -> dict[str, int]:
     """The run's name -> idx in `model`'s table, numbering (and inserting) new names."""
-    cache = _NAMES.setdefault(session.get_bind().engine, OrderedDict())
     key = (model.__tablename__, run.id, run.created_at)
-    indices = cache.get(key)
+    with _NAMES_LOCK:  # request threads share the cache
+        cache = _NAMES.setdefault(session.get_bind().engine, OrderedDict())
+        indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
         indices = {name: idx for name, idx in rows}
-        cache[key] = indices
-        if len(cache) > _NAMES_PER_ENGINE:
-            cache.popitem(last=False)
-    cache.move_to_end(key)
+        with _NAMES_LOCK:
+            _remember(cache, key, indices)
+    else:
+        with _NAMES_LOCK:
+            if key in cache:
+                cache.move_to_end(key)
     new: list[dict[str, Any]] = []
     indices = dict(indices)
     for record_names in names:

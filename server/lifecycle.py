@@ -13,13 +13,13 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
-from ampwatch.server.models import Run, utcnow
+from ampwatch.server.models import RUN_KEY, Run, utcnow
 
 
 def create_or_resume(
     session: Session, *, client_run_id: str, name: str, project: str
 ) -> tuple[int, bool]:
-    """The id of run `client_run_id` and whether this call created it.
+    """The id of `project`'s run `client_run_id` and whether this call created it.
 
     An existing run is resumed: running again, its end cleared, as a `run_start` event
     does on ingest; its name and project stay as first registered.
@@ -40,12 +40,14 @@ def create_or_resume(
             created_at=now,
             last_seen_at=now,
         )
-        .on_conflict_do_nothing(index_elements=["client_run_id"])
+        .on_conflict_do_nothing(index_elements=RUN_KEY)
         .returning(Run.id)  # a row comes back only when this call inserted it
     )
     created = inserted.first() is not None
     run = session.scalars(
-        select(Run).where(Run.client_run_id == client_run_id).with_for_update()
+        select(Run)
+        .where(Run.project == project, Run.client_run_id == client_run_id)
+        .with_for_update()
     ).one()
     if not created:
         run.status = "running"

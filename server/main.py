@@ -8,15 +8,21 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
+import anyio.to_thread
 from fastapi import Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
+from sqlalchemy.exc import OperationalError
+from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth, metrics, migrate, notify
+from ampwatch.server import auth, errors, metrics, migrate, notify
+from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
 
 API_PREFIX = "/api/v1"
@@ -36,6 +42,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
+        # The limiter belongs to this event loop: the threads that run sync endpoints.
+        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         with sessions() as session:
             auth.check_exposure(session, settings)
         worker = notify.DeliveryWorker(sessions, settings).start()
@@ -62,6 +70,11 @@ def create_app(settings: Settings | None = None) -> FastAPI:
             allow_headers=["Authorization", "Content-Type", "Content-Encoding"],
         )
     app.add_exception_handler(auth.AuthError, _auth_error)
+    app.add_exception_handler(RequestValidationError, errors.validation_error)
+    for busy in (OperationalError, PoolTimeout):
+        app.add_exception_handler(busy, errors.database_busy)
+    app.add_middleware(errors.RejectNul)
+    app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)
     # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
     authenticated = {"dependencies": [Depends(get_principal)], "responses": AUTH_ERRORS}
@@ -75,6 +88,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     alerts.mount(app, prefix=API_PREFIX, **authenticated)  # routes + the alerts file
     if settings.dashboard:
         _mount_dashboard(app, settings)
+    # Added last, so outermost: a request waits for its turn before any other work.
+    app.add_middleware(AdmissionLimit, max_active=settings.max_active_requests)
     return app
 
 

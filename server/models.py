@@ -165,18 +165,24 @@ class Token(Base):
     scope: Mapped[TokenScope] = mapped_column(String(16), default="write", server_default="write")
 
 
+#: What identifies a run for its writers: client run ids are chosen by agents (often from
+#: a job name), so they are unique per project only (revision 0007).
+RUN_KEY = ("project", "client_run_id")
+
+
 class Run(Base):
-    """One training run, keyed by the id its agent made up (`client_run_id`)."""
+    """One training run, keyed by its project and the id its agent made up (`RUN_KEY`)."""
 
     __tablename__ = "runs"
     __table_args__ = (
+        UniqueConstraint(*RUN_KEY),
         CheckConstraint(
             "status IN ({})".format(", ".join(f"'{s}'" for s in RUN_STATUSES)), name="status"
         ),
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    client_run_id: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), unique=True)
+    client_run_id: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
     name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
     project: Mapped[str] = mapped_column(
         String(MAX_NAME_LENGTH), ForeignKey("projects.name"), index=True

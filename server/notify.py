@@ -47,6 +47,7 @@ from sqlalchemy.orm import Session, aliased, sessionmaker
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook, utcnow
 from ampwatch.server.settings import Settings
+from ampwatch.server.webhook_client import read_capped, webhook_client
 
 logger = logging.getLogger(__name__)
 
@@ -57,7 +58,6 @@ RETRY_CAP_SECONDS = 15 * 60.0
 #: Notifications claimed per worker round, and POSTs in flight at once.
 CLAIM_BATCH = 32
 PARALLEL_POSTS = 8
-USER_AGENT = "ampwatch-notify/1"
 GENERIC_VERSION = 1
 _SEVERITY_ICONS = {
     "info": ":information_source:",
@@ -242,32 +242,55 @@ def generic_body(message: Message, *, sent_at: datetime | None = None) -> dict[s
     }
 
 
+def slack_escape(text: str) -> str:
+    """`text` as Slack shows it literally: its three control characters escaped (Slack's
+    "Escaping text" rules), so a run named `<!channel>` pings no one and `<http://x|y>`
+    in a finding is no disguised link.
+
+    >>> slack_escape("<!channel> & <http://evil|docs>")
+    '&lt;!channel&gt; &amp; &lt;http://evil|docs&gt;'
+    """
+    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
+
+
 def slack_body(message: Message) -> dict[str, Any]:
-    """A Slack incoming-webhook body: `text` says it all; `blocks` lay it out."""
+    """A Slack incoming-webhook body: `text` says it all; `blocks` lay it out. Everything
+    a run or an alert contributes is escaped (`slack_escape`); the header block is
+    plain text, which Slack never parses."""
     alert, run = message.alert, message.run
     severity = str(alert["severity"])
     state = "RESOLVED" if message.transition == "resolved" else severity.upper()
-    where = f" on layer `{alert['layer']}`" if alert.get("layer") else ""
     step = alert["resolved_step"] if message.transition == "resolved" else alert["fired_step"]
     step = step if step is not None else alert.get("started_step")
     at_step = f" at step {step}" if step is not None else ""
-    run_name = run.get("name") or "(test)"
-    headline = f"[{state}] {alert['rule']} {message.transition} on run {run_name}{where}{at_step}"
-    text = f"{headline}: {alert['message']}"
+    run_name = str(run.get("name") or "(test)")
+    layer = str(alert.get("layer") or "")
+    rule = str(alert["rule"])
+
+    def headline_of(escape: Any) -> str:
+        where = f" on layer `{escape(layer)}`" if layer else ""
+        return (
+            f"[{state}] {escape(rule)} {message.transition} on run {escape(run_name)}"
+            f"{where}{at_step}"
+        )
+
+    headline = headline_of(slack_escape)
+    finding = slack_escape(str(alert["message"]))
+    text = f"{headline}: {finding}"
     if run.get("url"):
         text += f" <{run['url']}|open run>"
     fields = [
-        ("Run", f"{run_name} (id {run['id']})" if run else "(test)"),
-        ("Project", message.project or "(every project)"),
-        ("Rule", str(alert["rule"])),
+        ("Run", f"{slack_escape(run_name)} (id {run['id']})" if run else "(test)"),
+        ("Project", slack_escape(message.project or "(every project)")),
+        ("Rule", slack_escape(rule)),
         ("Severity", severity),
-        ("Layer", alert.get("layer") or "(whole run)"),
+        ("Layer", slack_escape(layer) if layer else "(whole run)"),
         ("Step", str(step) if step is not None else "-"),
     ]
     blocks: list[dict[str, Any]] = [
         {
             "type": "header",
-            "text": {"type": "plain_text", "text": headline[:150]},
+            "text": {"type": "plain_text", "text": headline_of(str)[:150]},
         },
         {
             "type": "section",
@@ -277,7 +300,7 @@ def slack_body(message: Message) -> dict[str, Any]:
             "type": "section",
             "text": {
                 "type": "mrkdwn",
-                "text": f"{_SEVERITY_ICONS.get(severity, '')} {alert['message']}"[:3000],
+                "text": f"{_SEVERITY_ICONS.get(severity, '')} {finding}"[:3000],
             },
         },
     ]
@@ -307,26 +330,32 @@ class Outcome:
 
 
 def post(client: httpx.Client, url: str, body: dict[str, Any]) -> Outcome:
-    """POST `body` as JSON to `url`; never raises for network trouble."""
+    """POST `body` as JSON to `url` through `client` (`http_client`); never raises for
+    network trouble, and reads at most `webhook_client.MAX_RESPONSE_BYTES` of the answer."""
     try:
-        response = client.post(url, json=body)
+        with client.stream("POST", url, json=body) as response:
+            status = response.status_code
+            if 200 <= status < 300:
+                return Outcome(status, None)
+            text = read_capped(response).decode(errors="replace")
     except httpx.HTTPError as error:
         return Outcome(None, f"{type(error).__name__}: {error}"[:500] or type(error).__name__)
-    if 200 <= response.status_code < 300:
-        return Outcome(response.status_code, None)
-    return Outcome(response.status_code, f"HTTP {response.status_code}: {response.text[:300]}")
+    return Outcome(status, f"HTTP {status}: {text[:300]}")
 
 
-def http_client(timeout: float) -> httpx.Client:
-    """The client deliveries go through: no redirects (a webhook URL is exact), one
-    timeout for connect, read and write."""
-    return httpx.Client(timeout=timeout, follow_redirects=False, headers={"User-Agent": USER_AGENT})
+def http_client(settings: Settings) -> httpx.Client:
+    """The client deliveries go through (`ampwatch.server.webhook_client`): addresses
+    checked at connect time against `settings.webhook_allowed_networks`, no redirects, one
+    total time limit of `settings.webhook_timeout` per delivery."""
+    return webhook_client(
+        timeout=settings.webhook_timeout, allowed=settings.webhook_allowed_networks
+    )
 
 
 def send_test(webhook: Webhook, settings: Settings) -> Outcome:
     """POST a test message to `webhook` now (not through the outbox: it announces no
     alert, and the caller wants the answer)."""
-    with http_client(settings.webhook_timeout) as client:
+    with http_client(settings) as client:
         return post(client, webhook.url, render(sample_message(webhook), webhook.format))
 
 
@@ -366,11 +395,11 @@ class DeliveryWorker:
         self._rng = rng
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
-        self._client = http_client(settings.webhook_timeout)
+        self._client = http_client(settings)
         self._pool = ThreadPoolExecutor(PARALLEL_POSTS, thread_name_prefix="ampwatch-webhook")
         self._failing: set[str] = set()
-        # A claim outlives any single POST (httpx's timeout applies per phase, so allow a
-        # few) before another worker may take the notification over.
+        # A claim outlives any single POST (bounded in total by webhook_timeout), with
+        # room for the round's other POSTs, before another worker may take it over.
         self.lease = timedelta(seconds=4 * settings.webhook_timeout + 30)
 
     def start(self) -> DeliveryWorker:

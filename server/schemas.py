@@ -47,12 +47,29 @@ MAX_BIGINT = 2**63 - 1
 MAX_INT = 2**31 - 1
 #: Event times are Unix seconds; this bound (year 9999) keeps them convertible to datetime.
 MAX_EVENT_TIME = 253_402_300_799.0
+#: Most records (steps + layer_stats + events) in one batch (the agent seals at 2,000; the
+#: body limit allows ~200k steps), and
+#: most layer values (names x statistics, over its layer_stats): a batch is one
+#: transaction, and on SQLite one writer at a time: a batch of 1M new layer names held the
+#: write lock for 39 s (1.66 GB peak), and another tenant's batch failed meanwhile.
+MAX_BATCH_RECORDS = 50_000
+MAX_BATCH_LAYER_VALUES = 2_000_000
+#: Most distinct layer (and module) names in one batch: new names are the costly part.
+MAX_BATCH_LAYER_NAMES = 65_536
+#: Deepest nesting of an event's free-form `data`: 300 levels were stored, and then every
+#: read that renders events or alerts answered 500 (the serialiser's recursion limit).
+MAX_DATA_DEPTH = 16
 
 #: A name as stored: non-empty, bounded, and free of NUL, which PostgreSQL text rejects.
 Name = Annotated[
     str, StringConstraints(min_length=1, max_length=MAX_NAME_LENGTH, pattern=r"^[^\x00]*$")
 ]
-StepNumber = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
+#: Largest step number accepted: 2^53 - 1, the largest integer the dashboard's JavaScript
+#: holds exactly, with room below BIGINT for the arithmetic reads do on steps (2^63 - 1
+#: was stored, then the restart advisor answered 500, "bigint out of range").
+MAX_STEP = 2**53 - 1
+StepNumber = Annotated[int, Field(ge=0, le=MAX_STEP)]
+Seq = Annotated[int, Field(ge=0, le=MAX_BIGINT)]
 Rank = Annotated[int, Field(ge=0, le=MAX_INT)]
 #: The sending process's id (wire `STREAM_*`): part of the idempotency key with run and seq.
 Stream = Annotated[
@@ -246,6 +263,8 @@ class EventIn(_WireModel):
     @field_validator("data")
     @classmethod
     def _wire_encode_data(cls, data: dict[str, Any]) -> dict[str, Any]:
+        if _depth(data, MAX_DATA_DEPTH) > MAX_DATA_DEPTH:
+            raise ValueError(f"data is nested deeper than {MAX_DATA_DEPTH} levels")
         # A JSON parser may accept NaN/Infinity literals; stored JSON must not contain them.
         return _encode_non_finite(data)  # type: ignore[no-any-return]
 
@@ -256,11 +275,35 @@ class BatchIn(_WireModel):
     wire_version: int
     run: RunIn
     stream: Stream
-    seq: StepNumber
+    seq: Seq
     steps: list[StepIn] = Field(default_factory=list)
     layer_stats: list[LayerStatsIn] = Field(default_factory=list)
     events: list[EventIn] = Field(default_factory=list)
     dropped: dict[str, Annotated[int, Field(ge=0, le=MAX_BIGINT)]] = Field(default_factory=dict)
+
+    @model_validator(mode="after")
+    def _bounded(self) -> BatchIn:
+        records = len(self.steps) + len(self.layer_stats) + len(self.events)
+        if records > MAX_BATCH_RECORDS:
+            raise ValueError(
+                f"the batch holds {records} records, at most {MAX_BATCH_RECORDS}; send smaller "
+                "batches"
+            )
+        names = {name for r in self.layer_stats for name in r.names}
+        names.update(n for r in self.layer_stats if r.activations for n in r.activations.names)
+        if len(names) > MAX_BATCH_LAYER_NAMES:
+            raise ValueError(
+                f"the batch names {len(names)} layers, at most {MAX_BATCH_LAYER_NAMES}; "
+                "send fewer layers per batch"
+            )
+        values = sum(len(r.names) * max(1, len(r.stats)) for r in self.layer_stats)
+        values += sum(len(r.activations.names) for r in self.layer_stats if r.activations)
+        if values > MAX_BATCH_LAYER_VALUES:
+            raise ValueError(
+                f"the batch holds {values} layer values, at most {MAX_BATCH_LAYER_VALUES}; "
+                "send fewer layers or steps per batch"
+            )
+        return self
 
     @field_validator("dropped")
     @classmethod
@@ -279,6 +322,14 @@ class BatchIn(_WireModel):
                 f"{WIRE_VERSION}; run an agent and collector of matching releases"
             )
         return version
+
+
+def _depth(value: Any, limit: int) -> int:
+    """Nesting depth of JSON-like `value` (a scalar is 0), counted no further than limit+1."""
+    if limit < 0 or not isinstance(value, (dict, list)):
+        return 0
+    items = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(item, limit - 1) for item in items), default=0)
 
 
 def _encode_non_finite(value: Any) -> Any:

@@ -12,10 +12,12 @@ import socket
 import threading
 import time
 from types import TracebackType
+from typing import Any
 
 import uvicorn
 from pydantic import SecretStr
 
+from ampwatch.server.connections import HeadDeadlineProtocol
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.settings import Settings
@@ -41,10 +43,18 @@ def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
     return sock
 
 
+def _config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
+    """uvicorn's configuration for `app`: quiet, and idle connections closed
+    (`connections.HeadDeadlineProtocol`)."""
+    return uvicorn.Config(
+        app, log_level="warning", access_log=False, http=HeadDeadlineProtocol,
+        timeout_keep_alive=settings.request_head_timeout,  # type: ignore[arg-type]
+        **options,
+    )  # fmt: skip
+
+
 def _server(settings: Settings) -> uvicorn.Server:
-    return uvicorn.Server(
-        uvicorn.Config(create_app(settings), log_level="warning", access_log=False)
-    )
+    return uvicorn.Server(_config(create_app(settings), settings))
 
 
 #: What uvicorn imports in each worker process: `create_app()` reads `AMPWATCH_*`.
@@ -60,7 +70,7 @@ def settings_environment(settings: Settings) -> dict[str, str]:
         if isinstance(value, SecretStr):
             value = value.get_secret_value()
         elif isinstance(value, (list, dict)):
-            value = json.dumps(value)
+            value = json.dumps(value, default=str)  # networks (webhook_allowed_networks)
         elif isinstance(value, bool):
             value = "true" if value else "false"
         env[f"AMPWATCH_{name.upper()}"] = str(value)
@@ -86,9 +96,7 @@ def serve(settings: Settings) -> None:
     from uvicorn.supervisors import Multiprocess
 
     os.environ.update(settings_environment(settings))
-    config = uvicorn.Config(
-        APP_FACTORY, factory=True, workers=workers, log_level="warning", access_log=False
-    )
+    config = _config(APP_FACTORY, settings, factory=True, workers=workers)
     Multiprocess(config, sockets=[sock]).run()
 
 

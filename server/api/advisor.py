@@ -7,10 +7,12 @@ from typing import Annotated
 from fastapi import APIRouter, Query
 
 from ampwatch.server.advisor import restart_candidates, run_config
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
-from ampwatch.server.schemas import MAX_BIGINT, RestartCandidates
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server.schemas import MAX_STEP, RestartCandidates
 
-router = APIRouter(prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS)
+router = APIRouter(
+    route_class=SessionRoute, prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS
+)
 
 
 @router.get("/{run_id}/restart-candidates")
@@ -21,7 +23,7 @@ def get_restart_candidates(
         int | None,
         Query(
             ge=0,
-            le=MAX_BIGINT,
+            le=MAX_STEP,
             description="Steps a healthy checkpoint must precede the incident onset by "
             "(default: 2% of the run, at least 20).",
         ),

@@ -16,7 +16,6 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts import RULES, AlertConfigError, load_file, validate_overrides
-from ampwatch.server.alerts.rules import RuleName
 from ampwatch.server.alerts.config import (
     FILE_RULES_KEY,
     FileRules,
@@ -24,7 +23,15 @@ from ampwatch.server.alerts.config import (
     file_rules,
     stored_overrides,
 )
-from ampwatch.server.api.deps import NOT_YOURS, RUN_ERRORS, PrincipalDep, RunIdDep, SessionDep
+from ampwatch.server.alerts.rules import RuleName
+from ampwatch.server.api.deps import (
+    NOT_YOURS,
+    RUN_ERRORS,
+    PrincipalDep,
+    RunIdDep,
+    SessionDep,
+    SessionRoute,
+)
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.models import (
     Alert,
@@ -45,7 +52,7 @@ from ampwatch.server.schemas import (
     AlertsPublic,
 )
 
-router = APIRouter(tags=["alerts"])
+router = APIRouter(route_class=SessionRoute, tags=["alerts"])
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000

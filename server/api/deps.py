@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import functools
+import inspect
+from collections.abc import Callable, Coroutine, Iterator
 from typing import Annotated, Any, cast
 
-from fastapi import Depends, HTTPException, Request
+from fastapi import Depends, HTTPException, Request, Response
+from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
 
@@ -16,6 +19,7 @@ from ampwatch.server.auth import (
     resolve_principal,
     run_project,
 )
+from ampwatch.server.errors import StrictJSONRequest
 from ampwatch.server.schemas import MAX_INT, ErrorPublic
 from ampwatch.server.settings import Settings
 
@@ -25,9 +29,57 @@ def get_settings(request: Request) -> Settings:
 
 
 def get_session(request: Request) -> Iterator[Session]:
-    """One session per request, closed (and any open transaction rolled back) after it."""
+    """One session per request, closed (and any open transaction rolled back) after it.
+
+    Routes of `SessionRoute` close it already when the endpoint returns; this exit is the
+    backstop for any other route.
+    """
     with request.app.state.sessionmaker() as session:
         yield session
+
+
+def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
+    if inspect.iscoroutinefunction(endpoint):
+        return endpoint
+
+    @functools.wraps(endpoint)  # FastAPI reads the signature through __wrapped__
+    def call(*args: Any, **kwargs: Any) -> Any:
+        try:
+            return endpoint(*args, **kwargs)
+        finally:
+            for value in kwargs.values():
+                if isinstance(value, Session):
+                    value.close()
+
+    return call
+
+
+class SessionRoute(APIRoute):
+    """A route whose endpoint's `SessionDep` is closed, its connection back in the pool,
+    on the worker thread that ran the endpoint, as soon as it returns.
+
+    Why: FastAPI exits a dependency with `yield` only after validating the response, and
+    for a sync endpoint that validation waits for a free worker thread of its own. Under
+    ~200 concurrent requests every thread waited for a pooled connection that was held by
+    a finished request waiting for a thread: the whole collector, `/healthz` included,
+    froze until the pool's 30 s timeout answered 500s. Closed here, a connection is only
+    ever held by a running thread, so the pool always drains. Every router under `api/`
+    uses this class (`APIRouter(route_class=SessionRoute)`); endpoints return finished
+    pydantic models, never ORM objects that would load after the close. Its JSON bodies
+    are parsed strictly (`errors.StrictJSONRequest`).
+    """
+
+    def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
+        super().__init__(path, _closing_sessions(endpoint), **kwargs)
+
+    def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
+        """Bodies are read as strict JSON (`errors.StrictJSONRequest`: NaN is a 422)."""
+        handler = super().get_route_handler()
+
+        async def strict_json(request: Request) -> Response:
+            return await handler(StrictJSONRequest(request.scope, request.receive))
+
+        return strict_json
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -67,9 +119,9 @@ def get_principal(
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
     access = required_access(request.method, declared)
     with request.app.state.sessionmaker() as session:
-        return resolve_principal(
-            session, settings, request.headers.get("authorization"), access=access
-        )
+        peer = request.client.host if request.client else None
+        authorization = request.headers.get("authorization")
+        return resolve_principal(session, settings, authorization, access=access, peer=peer)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

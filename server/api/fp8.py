@@ -6,7 +6,7 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.api.run_data import RankQuery
 from ampwatch.server.fp8_readiness import (
     Fp8Limits,
@@ -16,7 +16,9 @@ from ampwatch.server.fp8_readiness import (
     loss_scale_advice,
 )
 
-router = APIRouter(prefix="/runs", tags=["fp8 readiness"], responses=RUN_ERRORS)
+router = APIRouter(
+    route_class=SessionRoute, prefix="/runs", tags=["fp8 readiness"], responses=RUN_ERRORS
+)
 
 MaxStepsQuery = Annotated[
     int, Query(ge=2, le=1000, description="Most sampled steps read over the run.")

@@ -17,7 +17,8 @@ router = APIRouter(tags=["health"])
 
 
 @router.get("/healthz")
-def healthz() -> dict[str, str]:
+async def healthz() -> dict[str, str]:
+    # async: answered on the event loop, never queued behind busy worker threads
     return {"status": "ok"}
 
 

@@ -17,16 +17,13 @@ from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ValidationError
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import project_for_new_data
+from ampwatch.server.errors import validation_detail
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.schemas import BatchIn, ErrorPublic, IngestAck
 
-router = APIRouter(tags=["ingest"])
-
-#: A batch with thousands of bad values would otherwise answer with thousands of errors.
-MAX_REPORTED_ERRORS = 20
-
+router = APIRouter(route_class=SessionRoute, tags=["ingest"])
 
 async def read_body(request: Request, settings: SettingsDep) -> bytes:
     """The request body, decompressed, at most `settings.max_body_bytes` either way."""
@@ -64,18 +61,6 @@ async def read_body(request: Request, settings: SettingsDep) -> bytes:
 
 
 BodyDep = Annotated[bytes, Depends(read_body)]
-
-
-def _validation_detail(error: ValidationError) -> list[dict[str, Any]]:
-    details: list[dict[str, Any]] = [
-        dict(detail)
-        for detail in error.errors(include_url=False, include_context=False, include_input=False)
-    ]
-    if len(details) > MAX_REPORTED_ERRORS:
-        omitted = len(details) - MAX_REPORTED_ERRORS
-        details = details[:MAX_REPORTED_ERRORS]
-        details.append({"loc": [], "msg": f"{omitted} more errors omitted", "type": "omitted"})
-    return details
 
 
 def parse_json(body: bytes) -> Any:
@@ -133,10 +118,9 @@ def ingest(
     try:
         batch = BatchIn.model_validate(parsed)
     except ValidationError as error:
-        raise HTTPException(status_code=422, detail=_validation_detail(error)) from None
+        raise HTTPException(status_code=422, detail=validation_detail(error.errors())) from None
     named = batch.run.project if "project" in batch.run.model_fields_set else None
-    with request.app.state.sessionmaker() as check:
-        batch.run.project = project_for_new_data(check, principal, batch.run.client_run_id, named)
+    batch.run.project = project_for_new_data(principal, named)
     ack = ingest_batch(session, batch)
     request.app.state.ingest_counters.record_batch(batch, duplicate=ack.duplicate)
     return ack

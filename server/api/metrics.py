@@ -6,12 +6,18 @@ from fastapi import APIRouter, Request
 from fastapi.responses import PlainTextResponse
 
 from ampwatch.server import metrics
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.api.deps import (
+    NOT_YOURS,
+    PrincipalDep,
+    SessionDep,
+    SessionRoute,
+    SettingsDep,
+)
 from ampwatch.server.auth import ACCESS_EXTRA
 from ampwatch.server.exposition import CONTENT_TYPE
 from ampwatch.server.models import utcnow
 
-router = APIRouter(tags=["metrics"])
+router = APIRouter(route_class=SessionRoute, tags=["metrics"])
 
 
 @router.get(

@@ -18,7 +18,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
 from ampwatch.server import history, queries, series
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.schemas import (
     MAX_BIGINT,
     MAX_INT,
@@ -30,7 +30,9 @@ from ampwatch.server.schemas import (
     StepSeries,
 )
 
-router = APIRouter(prefix="/runs", tags=["run data"], responses=RUN_ERRORS)
+router = APIRouter(
+    route_class=SessionRoute, prefix="/runs", tags=["run data"], responses=RUN_ERRORS
+)
 
 #: Defaults sized for a chart ~1,000 px wide: two points (min, max) per pixel column.
 DEFAULT_MAX_POINTS = 2000

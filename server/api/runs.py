@@ -4,12 +4,19 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Request, Response
+from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import MAX_NAME_LENGTH
 from ampwatch.server import lifecycle, queries
-from ampwatch.server.api.deps import NOT_YOURS, RUN_ERRORS, PrincipalDep, RunIdDep, SessionDep
+from ampwatch.server.api.deps import (
+    NOT_YOURS,
+    RUN_ERRORS,
+    PrincipalDep,
+    RunIdDep,
+    SessionDep,
+    SessionRoute,
+)
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.models import Health, RunStatus
 from ampwatch.server.schemas import (
@@ -20,7 +27,7 @@ from ampwatch.server.schemas import (
     RunsPublic,
 )
 
-router = APIRouter(prefix="/runs", tags=["runs"])
+router = APIRouter(route_class=SessionRoute, prefix="/runs", tags=["runs"])
 
 DEFAULT_PAGE = 100
 MAX_PAGE = 1000
@@ -68,14 +75,14 @@ def list_runs(
 )
 def create_run(
     body: RunCreate,
-    request: Request,
     response: Response,
     session: SessionDep,
     principal: PrincipalDep,
 ) -> RunPublic:
-    """Create a run (201), or resume the one with this client_run_id (200): idempotent."""
-    with request.app.state.sessionmaker() as check:
-        project = project_for_new_data(check, principal, body.client_run_id, body.project)
+    """Create a run (201), or resume the project's run with this client_run_id (200):
+    idempotent. Client run ids are per project: another project's run of the same id is
+    another run."""
+    project = project_for_new_data(principal, body.project)
     run_id, created = lifecycle.create_or_resume(
         session, client_run_id=body.client_run_id, name=body.name, project=project
     )

@@ -15,7 +15,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import notify
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SettingsDep
+from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import AuthError, Principal, ensure_project
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import Alert, Notification, Webhook, utcnow
@@ -30,7 +30,9 @@ from ampwatch.server.schemas import (
     WebhookTestResult,
 )
 
-router = APIRouter(prefix="/webhooks", tags=["webhooks"], responses=NOT_YOURS)
+router = APIRouter(
+    route_class=SessionRoute, prefix="/webhooks", tags=["webhooks"], responses=NOT_YOURS
+)
 
 WEBHOOK_ERRORS = {404: {"model": ErrorPublic, "description": "No such webhook"}}
 DEFAULT_DELIVERIES = 100

@@ -403,3 +403,48 @@ def test_a_spool_deleted_under_the_sender_costs_its_records_not_the_sender(
     delivered = [r["step"] for r in collector.steps()]
     dropped = sum(b["dropped"]["steps"] for b in collector.batches)
     assert (delivered, dropped) in (([2], 1), ([1, 2], 0))
+
+
+def test_a_run_id_cannot_lead_the_spool_outside_its_root(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(tmp_path / "root"))
+    root = (tmp_path / "root").resolve()
+    for run_id in ("../../etc", "..", ".", "a/../../b", "/abs", "x" * 600, "a\\..\\b", "ok-1.2"):
+        folder = default_spool_dir(run_id)
+        assert folder.parent == tmp_path / "root", run_id
+        assert folder.resolve().parent == root and len(folder.name) <= 200, run_id
+    assert default_spool_dir("ok-1.2").name == "ok-1.2"  # plain ids are kept as they are
+    assert default_spool_dir("a/b") != default_spool_dir("a%2Fb")  # quoting is one-to-one
+
+
+def test_segments_of_a_killed_process_are_adopted_once_and_a_live_ones_never(
+    tmp_path: Path,
+) -> None:
+    import subprocess
+    import sys
+
+    live = Spool(tmp_path, max_bytes=10**9)
+    live.append(_frame(7))  # a live process (another rank) of the same run
+    # A process spools three batches and is SIGKILLed (no atexit, no cleanup).
+    script = (
+        "import gzip, json, os, signal, sys; from pathlib import Path\n"
+        "from ampwatch.agent.spool import Frame, Spool\n"
+        "spool = Spool(Path(sys.argv[1]), max_bytes=10**9)\n"
+        "for seq in range(3):\n"
+        "    body = gzip.compress(json.dumps({'seq': seq, 'steps': [{}], 'layer_stats': [],"
+        " 'events': [], 'dropped': {}}).encode())\n"
+        "    spool.append(Frame(seq, body, {'steps': 1, 'layer_stats': 0, 'events': 0}, {}))\n"
+        "os.kill(os.getpid(), signal.SIGKILL)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path)], check=False)
+    assert done.returncode == -9
+
+    resumed = Spool(tmp_path, max_bytes=10**9)
+    assert len(resumed) == 3  # the killed one's, not the live one's
+    again = Spool(tmp_path, max_bytes=10**9)
+    assert len(again) == 0  # adopted by `resumed`, which lives: never twice
+    resumed.append(_frame(3, steps=4))
+    assert [b["seq"] for b in _batches(resumed)] == [0, 1, 2, 3]
+    assert [b["seq"] for b in _batches(live)] == [7]
+    assert list(tmp_path.glob(f"*{SEGMENT_SUFFIX}")) == []

@@ -5,8 +5,12 @@ upload, and the database ends up holding every record exactly once."""
 from __future__ import annotations
 
 import functools
+import gzip
+import json
+import os
 import sqlite3
 import statistics
+import subprocess
 import sys
 import time
 from collections.abc import Callable
@@ -189,3 +193,64 @@ def test_a_spool_left_behind_by_an_ended_process_uploads_once(
         code, out = _upload(spool_root, collector.url, capsys)
         assert code == 0 and ": 0 batches stored" in out
     _assert_stored_exactly_once(sqlite_url)
+
+
+_KILLED_TRAINER = """
+import functools, os, signal, sys, time
+from pathlib import Path
+sys.path.insert(0, sys.argv[3])
+from reliability_support import Trainer
+from ampwatch.agent import attach
+from ampwatch.agent.transport import Sender
+attach.Sender = functools.partial(Sender, retry_cap=0.05, spool_after=1)
+trainer = Trainer(width=64, depth=1)
+handle = trainer.watch(url=sys.argv[1], run_id=sys.argv[2])
+trainer.train(120)
+deadline = time.monotonic() + 20
+while handle.counters.get("batches_spooled", 0) < 2 and time.monotonic() < deadline:
+    time.sleep(0.05)
+os.kill(os.getpid(), signal.SIGKILL)  # no detach, no atexit: the spool is left behind
+"""
+
+
+def _spooled(folder: Path) -> set[tuple[str, int]]:
+    from ampwatch.agent.spool import read_frames
+
+    found = set()
+    for segment in folder.glob("*.spool"):
+        for body in read_frames(segment):
+            if body is not None:
+                batch = json.loads(gzip.decompress(body))
+                found.add((batch["stream"], batch["seq"]))
+    return found
+
+
+@pytest.mark.usefixtures("quick_retries")
+def test_a_spool_left_by_a_killed_process_is_delivered_by_the_next_watch_exactly_once(
+    sqlite_url: str, spool_root: Path
+) -> None:
+    from ampwatch.agent.spool import default_spool_dir
+
+    port = _free_port()
+    url = f"http://127.0.0.1:{port}"
+    run_id = "job-7/../resumed"  # a run id with `/` and `..`: its spool stays under the root
+    helpers = str(Path(__file__).resolve().parents[1] / "reliability")
+    killed = subprocess.run(
+        [sys.executable, "-c", _KILLED_TRAINER, url, run_id, helpers],
+        env={**os.environ, "AMPWATCH_SPOOL_DIR": str(spool_root)}, check=False, timeout=120,
+    )  # fmt: skip
+    assert killed.returncode == -9
+    folder = default_spool_dir(run_id)
+    assert folder.parent == spool_root
+    left = _spooled(folder)
+    assert len(left) >= 2  # batches the killed process could not deliver
+
+    with _collector(port, sqlite_url):
+        trainer = Trainer()
+        handle = trainer.watch(url=url, run_id=run_id)
+        trainer.train(20)
+        handle.detach(timeout=20)
+    stored = set(_query(sqlite_url, "SELECT stream, seq FROM ingested_batches"))
+    assert left <= stored  # every batch the killed process left, delivered ...
+    assert list(folder.glob("*.spool")) == []  # ... and its spool gone
+    assert len(_query(sqlite_url, "SELECT id FROM runs")) == 1  # into the same run

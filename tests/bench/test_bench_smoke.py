@@ -12,7 +12,7 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "query.py", "metrics.py"])
+@pytest.mark.parametrize("script", ["ingest.py", "query.py", "metrics.py", "load.py"])
 def test_bench_quick_runs_and_reports(script: str) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), "--quick", "--backend", "sqlite"],
@@ -25,6 +25,10 @@ def test_bench_quick_runs_and_reports(script: str) -> None:
         assert "zero loss" in done.stdout, done.stdout
     elif script == "metrics.py":
         assert "/metrics median" in done.stdout, done.stdout
+    elif script == "load.py":  # 0 errors is a bar even on a loaded machine
+        phases = [line for line in done.stdout.splitlines() if "| errors " in line]
+        assert len(phases) == 2 and "bogus tokens" in phases[1], done.stdout
+        assert all("| errors 0 " in line for line in phases), done.stdout
     else:
         assert "heatmap" in done.stdout, done.stdout
 

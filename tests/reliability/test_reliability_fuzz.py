@@ -295,3 +295,70 @@ def _bad_bodies(world: World, rows: RowCounter) -> None:
         f"malformed, truncated, oversize): statuses {dict(sorted(statuses.items()))}, "
         "5xx 0, refused batches stored nothing",
     )
+
+
+def _leaf_paths(value: Any, path: tuple[Any, ...] = ()) -> Iterator[tuple[Any, ...]]:
+    """Every place in a JSON body where a value goes (the body itself included)."""
+    yield path
+    if isinstance(value, dict):
+        for key, item in value.items():
+            yield from _leaf_paths(item, (*path, key))
+    elif isinstance(value, list):
+        for index, item in enumerate(value):
+            yield from _leaf_paths(item, (*path, index))
+
+
+def test_every_operation_with_a_body_answers_nan_and_infinity_literals_with_422(
+    world: World,
+) -> None:
+    """schemathesis builds valid bodies for every operation that takes one (whatever the
+    schema holds when the test runs); each value in turn, and the whole body, is then
+    replaced by a bare NaN, Infinity, -Infinity or 1e999 literal. Python's JSON reader
+    accepts those, and FastAPI's default 422 echoed them and failed to render: 500."""
+    import schemathesis
+    from hypothesis import HealthCheck, Phase, given, settings
+
+    schema = schemathesis.openapi.from_url(f"{world.url}/openapi.json")
+    operations = [result.ok() for result in schema.get_all_operations()]
+    with_body = [op for op in operations if op.body]
+    assert len(with_body) >= 5  # runs, end, both alert-configs, webhooks
+    tried = 0
+    failures: list[str] = []
+    for operation in with_body:
+        bodies: list[tuple[dict[str, Any], Any]] = []
+
+        @settings(
+            max_examples=3,
+            deadline=None,
+            database=None,
+            derandomize=True,
+            phases=[Phase.explicit, Phase.generate],
+            suppress_health_check=list(HealthCheck),
+        )
+        @given(case=operation.as_strategy())
+        def collect(case: Any) -> None:
+            bodies.append((dict(case.path_parameters or {}), case.body))  # noqa: B023 - run at once
+
+        collect()
+        for path_parameters, body in bodies:
+            if "run_id" in path_parameters:
+                path_parameters["run_id"] = world.runs["vision"]  # a run that exists
+            url = world.url + operation.path.format(**path_parameters)
+            for slot in _leaf_paths(body):
+                marked = _set({"": body}, ("", *slot), "__HERE__")[""]
+                for literal in NONFINITE_LITERALS:
+                    content = json.dumps(marked).encode().replace(b'"__HERE__"', literal)
+                    answer = httpx.request(
+                        operation.method.upper(), url, content=content, timeout=30,
+                        headers={**world.headers("admin"), "Content-Type": "application/json"},
+                    )  # fmt: skip
+                    tried += 1
+                    if answer.status_code != 422 or not answer.json().get("detail"):
+                        failures.append(f"{operation.label} {slot} {literal!r}: "
+                                        f"{answer.status_code} {answer.text[:200]}")  # fmt: skip
+    record_figure(
+        "NaN/Infinity bodies",
+        f"{tried} bodies over {len(with_body)} operations with a JSON body "
+        f"({', '.join(op.label for op in with_body)}): {len(failures)} not a 422",
+    )
+    assert not failures, "\n".join(failures[:10])

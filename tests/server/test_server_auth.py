@@ -192,13 +192,23 @@ def test_a_batch_without_project_goes_to_the_tokens_project(tenants: Tenants) ->
 
 
 def test_a_run_of_another_project_cannot_be_written_by_naming_it(tenants: Tenants) -> None:
-    before = tenants.counts()
-    hijack = ingest_batch_json(None, "nlp-run")  # nlp's client_run_id, no project named
-    answer = tenants.post(INGEST_PATH, tenants.vision, hijack)
-    assert answer.status_code == 403
-    # ...and a tenant does not learn other projects' names.
-    assert answer.json()["detail"] == "run 'nlp-run' belongs to another project"
-    assert tenants.counts() == before
+    nlp_run = tenants.request("GET", f"/api/v1/runs/{tenants.runs['nlp']}", ADMIN).json()
+    squat = ingest_batch_json(None, "nlp-run")  # nlp's client_run_id, no project named
+    answer = tenants.post(INGEST_PATH, tenants.vision, squat)
+    # Client run ids are per project: vision gets a run of its own, nlp's is untouched.
+    assert answer.status_code == 200, answer.text
+    assert answer.json()["run_id"] != tenants.runs["nlp"]
+    mine = tenants.request("GET", f"/api/v1/runs/{answer.json()['run_id']}", tenants.vision)
+    assert mine.json()["project"] == "vision"
+    after = tenants.request("GET", f"/api/v1/runs/{tenants.runs['nlp']}", ADMIN).json()
+    assert (after["steps"], after["last_seen_at"]) == (nlp_run["steps"], nlp_run["last_seen_at"])
+
+
+def test_a_403_names_no_other_project(tenants: Tenants) -> None:
+    for method, path in (("GET", "/api/v1/runs/{}"), ("GET", "/api/v1/runs/{}/steps")):
+        answer = tenants.request(method, path.format(tenants.runs["nlp"]), tenants.vision)
+        assert answer.status_code == 403
+        assert "nlp" not in answer.text and "vision" in answer.json()["detail"]
 
 
 def test_admin_creates_projects_by_naming_them(tenants: Tenants) -> None:

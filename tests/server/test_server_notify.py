@@ -34,7 +34,12 @@ from ampwatch.server.settings import Settings
 #: For tests whose subject does not depend on the database.
 SQLITE_ONLY = pytest.mark.parametrize("db_url", ["sqlite"], indirect=True)
 #: Fast rounds and retries, so that a test sees three attempts within a second.
-FAST = {"notify_interval": 0.05, "webhook_retry_base": 0.05, "webhook_timeout": 2.0}
+#: The receivers here listen on 127.0.0.1, which webhooks may reach only when an operator
+#: allow-lists it (the default refuses loopback: tests/server/test_server_webhook_client.py).
+FAST = {
+    "notify_interval": 0.05, "webhook_retry_base": 0.05, "webhook_timeout": 2.0,
+    "webhook_allowed_networks": ["127.0.0.1/32"],
+}  # fmt: skip
 
 
 @pytest.fixture
@@ -188,7 +193,7 @@ def test_slack_and_generic_bodies_arrive(
     [message] = receiver.wait_for("/slack", 1)
     assert message["text"].startswith(
         "[WARNING] loss_scale_collapse firing on run gpt-small at step 115: "
-        "loss scale 0.25 < 1.0 at step 115"
+        "loss scale 0.25 &lt; 1.0 at step 115"  # Slack-escaped
     )
     assert f"<{run_url}|open run>" in message["text"]
     fields = dict(f["text"].split("\n") for f in message["blocks"][1]["fields"])
@@ -374,7 +379,7 @@ def test_two_workers_deliver_each_notification_once(
             assert len(claimed) == 20, "the claim waited for rows another worker holds"
             claims = claimed
             assert not {c.id for c in claims} & set(held)
-        with http_client(2.0) as client:
+        with http_client(settings) as client:
             workers[0].record(claims, [post(client, c.url, c.body) for c in claims])
 
         def drain(worker: DeliveryWorker) -> None:

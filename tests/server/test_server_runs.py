@@ -48,11 +48,12 @@ def test_ingest_appends_to_a_run_created_through_the_api(client: httpx.Client) -
     assert client.get(f"{RUNS}/{run_id}").json()["last_step"] == 3
 
 
-def test_resume_into_another_project_is_refused(client: httpx.Client) -> None:
-    create(client, "abc", project="nlp")
-    answer = create(client, "abc", project="vision")
-    assert answer.status_code == 403
-    assert "belongs to project 'nlp'" in answer.json()["detail"]
+def test_the_same_client_run_id_in_another_project_is_another_run(client: httpx.Client) -> None:
+    nlp = create(client, "abc", project="nlp")
+    vision = create(client, "abc", project="vision")
+    assert (nlp.status_code, vision.status_code) == (201, 201)
+    assert nlp.json()["id"] != vision.json()["id"]
+    assert create(client, "abc", project="nlp").json()["id"] == nlp.json()["id"]
 
 
 @pytest.mark.parametrize(
