@@ -2,7 +2,7 @@
 `run_step_totals`: each (run, rank)'s steps, skipped steps and last step.
 
 Revision ID: 0008
-Revises: 0006
+Revises: 0007
 Create Date: 2026-12-01
 
 Every token made before this revision could write, so existing rows become `write`
