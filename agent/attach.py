@@ -192,6 +192,8 @@ class _AttachedHandle(WatchHandle):
         #: Norms the loop's own clip_grad_norm_ returned since the last step, each with the
         #: number of gradients it covered; None once a clip ran on still-scaled grads.
         self._clips: list[tuple[torch.Tensor, int]] | None = []
+        #: A sampled step's range statistics, taken just before the loop's clip.
+        self._early_layers: LayerSample | None = None
         self._model = model
         self._optimizers = optimizers
         self._scaler = scaler
@@ -242,6 +244,8 @@ class _AttachedHandle(WatchHandle):
             first = optimizers[0]
             self._add_hook(first.register_step_pre_hook(self._optimizer_pre_step))
             self._add_hook(first.register_step_post_hook(self._optimizer_post_step))
+        if optimizers:  # after ScaledClipCheck: it runs first and flags still-scaled grads
+            self._detach_actions.append(clipping.register(self._before_clip))
         self._watched = [o for o in (model, *optimizers, scaler) if o is not None]
         _attached.update(self._watched)
         atexit.register(self._at_exit)
@@ -373,6 +377,27 @@ class _AttachedHandle(WatchHandle):
             self._on_error(exc)
             return None
 
+    def _before_clip(self, params: list[torch.Tensor]) -> None:
+        """On a sampled step, measure the gradients' range before the loop clips them: a
+        clip by an Inf/NaN norm zeroes (or NaNs) every gradient of an overflowing step."""
+        try:
+            step = self._step + 1
+            if self._clips is None or self._early_layers is not None or (step - 1) % self._every:
+                return
+            grads = named_grads(self._model.named_parameters())
+            if sum(1 for p in params if p.grad is not None) != len(grads[1]):
+                return
+            scale = None if self._scaler is None else self._scaler._get_scale_async()
+            self._early_layers = self._layer_sample(step, grads, scale)
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _take_layers(
+        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+    ) -> LayerSample | None:
+        early, self._early_layers = self._early_layers, None
+        return early if early is not None else self._layer_sample(step, grads, scale)
+
     def _on_clip(self, params: list[torch.Tensor], total: torch.Tensor, norm_type: Any) -> None:
         try:
             if self._clips is None:
@@ -435,7 +460,7 @@ class _AttachedHandle(WatchHandle):
             return None
         step = self._step + 1
         grads = named_grads(self._model.named_parameters())
-        layers = self._layer_sample(step, grads, scale)
+        layers = self._take_layers(step, grads, scale)
         sample = None
         if self._send_steps:
             scalars = {"loss_scale": scale, "found_inf": found_inf}
@@ -487,7 +512,7 @@ class _AttachedHandle(WatchHandle):
             grads = named_grads(self._model.named_parameters())
             norm = self._norm(grads[1]) if self._send_steps else None
             self._applied = bool(grads[1])
-            self._pending = (norm, self._layer_sample(self._step + 1, grads, None))
+            self._pending = (norm, self._take_layers(self._step + 1, grads, None))
         except Exception as exc:
             self._on_error(exc)
 

@@ -1,0 +1,144 @@
+"""Lightning 2.6 on the CPU against a live collector, compared step by step with
+Lightning's own ground truth: its optimizer's step counter (it does not move on a skip),
+its scaler's scale, the lr and gradients its `on_before_optimizer_step` sees (after
+unscale_, before clipping), and what `training_step` returned.
+
+FP16 runs use a `MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))` plugin:
+`Trainer(precision="16-mixed")` on the CPU turns into bf16 without a scaler, which the
+bf16 cases cover. Overflows are forced by multiplying chosen batches' loss by 1e6.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("lightning")
+
+import torch
+import torch.nn.functional as F
+from framework_truth import Truth, assert_matches, stored_run
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.plugins.precision import MixedPrecision
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+from ampwatch.integrations.lightning import AmpwatchCallback
+
+pytestmark = [
+    # Lightning warns about CPU-only runs and loader workers; none concern what is tested.
+    pytest.mark.filterwarnings("ignore::UserWarning"),
+    pytest.mark.filterwarnings("ignore::DeprecationWarning"),
+    pytest.mark.filterwarnings("ignore:.*LeafSpec.*:FutureWarning"),  # lightning vs torch 2.13
+]
+
+EVERY = 7
+SPIKE = 1e6
+
+
+class TinyNet(LightningModule):
+    """A 3-layer MLP whose hooks record Lightning's ground truth for each optimizer step."""
+
+    def __init__(self, *, fused: bool, spike_batches: set[int], truth: Truth) -> None:
+        super().__init__()
+        self.body = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU())
+        self.head = nn.Linear(32, 4)
+        self.fused = fused
+        self.spike_batches = spike_batches
+        self.truth = truth
+        self.micro_losses: list[float] = []
+        self.counters: list[int] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.mse_loss(self.head(self.body(x)).float(), y)  # a submodule, not forward()
+        if index in self.spike_batches:
+            loss = loss * SPIKE
+        self.micro_losses.append(loss.item())
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        truth = self.truth
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        scale = None if scaler is None else scaler.get_scale()
+        truth.loss_scale.append(scale)
+        truth.lr.append(optimizer.param_groups[0]["lr"])
+        truth.loss.append(sum(self.micro_losses) / len(self.micro_losses))
+        self.micro_losses.clear()
+        grads = {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
+        norm = torch.nn.utils.get_total_norm(list(grads.values())).item()
+        if scaler is not None and self.fused:
+            norm /= scale  # fused AdamW unscales inside its kernel: these are still scaled
+        truth.grad_norm.append(norm)
+        step = len(truth.lr)
+        if (step - 1) % EVERY == 0:
+            truth.zero_fraction[step] = {
+                n: (g == 0).double().mean().item() for n, g in grads.items()
+            }
+        state = optimizer.state.get(self.head.weight, {})
+        self.counters.append(int(state["step"]) if "step" in state else 0)
+
+    def configure_optimizers(self) -> dict:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
+        schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.01 * s))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": schedule, "interval": "step"}}
+
+
+CASES = {
+    # name: (precision, fused, accumulation, clip, optimizer steps)
+    "fp16-scaler-unfused-acc1-clip": ("fp16", False, 1, 0.5, 200),
+    "fp16-scaler-fused-acc4": ("fp16", True, 4, 0.0, 75),
+    "bf16-unfused-acc4-clip": ("bf16", False, 4, 0.5, 75),
+    "bf16-fused-acc1": ("bf16", True, 1, 0.0, 200),
+}
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
+    precision, fused, accumulation, clip, steps = CASES[case]
+    torch.manual_seed(0)
+    batches = steps * accumulation
+    data = TensorDataset(torch.randn(batches * 8, 16), torch.randn(batches * 8, 4))
+    # Overflows (FP16) or loss spikes (bf16) in early, clustered and late micro-batches.
+    spikes = {b for b in (3, 40, 41, 42, batches - 5) if b < batches}
+    truth = Truth()
+    model = TinyNet(fused=fused, spike_batches=spikes, truth=truth)
+    if precision == "fp16":
+        scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=20)
+        extra = {"plugins": [MixedPrecision("16-mixed", "cpu", scaler=scaler)]}
+    else:
+        extra = {"precision": "bf16-mixed"}
+    callback = AmpwatchCallback(
+        run=case, url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
+    )
+    trainer = Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        accumulate_grad_batches=accumulation,
+        gradient_clip_val=clip or None,
+        callbacks=[callback],
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **extra,
+    )
+    trainer.fit(model, DataLoader(data, batch_size=8))
+    assert callback.handle is None  # detached at on_train_end
+
+    # The optimizer's own step counter does not move on a skipped step.
+    final = int(trainer.optimizers[0].state[model.head.weight]["step"])
+    counters = [*model.counters[1:], final]
+    truth.skipped = [after == before for before, after in zip(model.counters, counters)]
+    assert trainer.global_step == steps == len(truth.skipped)
+    if precision == "fp16":
+        assert sum(truth.skipped) >= 2, "overflows were not forced"
+    else:
+        assert not any(truth.skipped)
+
+    stored = stored_run(live_collector.url, case)
+    assert stored["run"]["status"] == "ended"
+    assert_matches(stored, truth)
+    findings = {e["data"]["code"] for e in stored["events"] if e["kind"] == "finding"}
+    # Lightning enters autocast around training_step, which calls submodules only.
+    assert ("bf16_in_use" in findings) == (precision == "bf16")
