@@ -41,19 +41,22 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """
     current = optimizer
     for _ in range(_MAX_DEPTH):
-        if isinstance(current, torch.optim.Optimizer):
-            return current
+        # AcceleratedOptimizer subclasses Optimizer without its __init__ (no hook dicts):
+        # an inner optimizer wins over the wrapper's own isinstance.
         inner = next(
             (
                 getattr(current, name)
                 for name in _OPTIMIZER_ATTRIBUTES
-                if getattr(current, name, None) is not None
+                if isinstance(getattr(current, name, None), torch.optim.Optimizer)
+                or type(getattr(current, name, None)).__name__ == "LightningOptimizer"
             ),
             None,
         )
         if inner is None:
             break
         current = inner
+    if isinstance(current, torch.optim.Optimizer):
+        return current
     raise TypeError(f"optimizer must be {SUPPORTED_OPTIMIZERS}, got {type(optimizer).__name__}")
 
 
