@@ -1,0 +1,108 @@
+"""The Hugging Face Trainer (transformers 5.x) on the CPU against a live collector: a
+2-layer GPT-2 built from a config (nothing downloaded), bf16 autocast (the Trainer's CPU
+path: accelerate enters autocast inside the model's forward, and builds no scaler on the
+CPU), compared step by step with the Trainer's own ground truth: its logged `grad_norm`
+(before clipping) and `learning_rate`, the sum of what `training_step` returned (what it
+logs as `loss`, before rounding), and the optimizer's step counter.
+"""
+
+from __future__ import annotations
+
+import pytest
+
+pytest.importorskip("transformers")
+
+import torch
+from accelerate.state import AcceleratorState
+from framework_truth import Truth, assert_matches, stored_run
+from transformers import GPT2Config, GPT2LMHeadModel, Trainer, TrainerCallback, TrainingArguments
+
+from ampwatch.integrations.transformers import AmpwatchCallback
+
+pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")
+EVERY = 7
+SPIKE = 1e6
+
+CASES = {
+    # name: (fused, accumulation, optimizer steps)
+    "hf-bf16-unfused-acc1": (False, 1, 150),
+    "hf-bf16-fused-acc4": (True, 4, 50),
+}
+
+
+class Recording(Trainer):
+    """Records what `training_step` returns (the Trainer's logged loss is their sum)."""
+
+    def training_step(self, *args, **kwargs):
+        loss = super().training_step(*args, **kwargs)
+        self.micro_losses = [*getattr(self, "micro_losses", []), loss.item()]
+        return loss
+
+
+class Truths(TrainerCallback):
+    def __init__(self, trainer: Recording, truth: Truth) -> None:
+        self.trainer, self.truth, self.counters = trainer, truth, []
+
+    def on_pre_optimizer_step(self, args, state, control, model=None, optimizer=None, **kw):
+        inner = optimizer.optimizer
+        self.truth.loss.append(sum(self.trainer.micro_losses))
+        self.trainer.micro_losses = []
+        self.truth.loss_scale.append(None)
+        self.truth.lr.append(inner.param_groups[0]["lr"])
+        step = len(self.truth.lr)
+        if (step - 1) % EVERY == 0:
+            self.truth.zero_fraction[step] = {
+                n: (p.grad == 0).double().mean().item()
+                for n, p in model.named_parameters() if p.grad is not None
+            }
+        state_of = inner.state.get(inner.param_groups[0]["params"][0], {})
+        self.counters.append(int(state_of["step"]) if "step" in state_of else 0)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_hf_trainer_is_stored_exactly(case: str, live_collector, tmp_path) -> None:
+    fused, accumulation, steps = CASES[case]
+    AcceleratorState._reset_state(reset_partial_state=True)
+    torch.manual_seed(0)
+    config = GPT2Config(n_layer=2, n_embd=32, n_head=2, vocab_size=64, n_positions=16)
+    model = GPT2LMHeadModel(config)
+    spikes, calls = {3, 40, 41, steps * accumulation - 5}, iter(range(1_000_000))
+
+    def spike(module, args, output):  # the model's own loss spikes on chosen micro-batches
+        if torch.is_grad_enabled() and next(calls) in spikes:
+            output.loss = output.loss * SPIKE
+        return output
+
+    model.register_forward_hook(spike)
+    tokens = torch.randint(0, 64, (steps * accumulation * 4, 16))
+    data = [{"input_ids": t, "labels": t} for t in tokens]
+    args = TrainingArguments(
+        output_dir=str(tmp_path), per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3,
+        lr_scheduler_type="linear", logging_steps=1, report_to=[], save_strategy="no",
+        bf16=True, use_cpu=True, max_grad_norm=1.0, disable_tqdm=True,
+        optim="adamw_torch_fused" if fused else "adamw_torch", dataloader_num_workers=0,
+    )
+    callback = AmpwatchCallback(
+        run=case, url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
+    )
+    trainer = Recording(model=model, args=args, train_dataset=data, callbacks=[callback])
+    truth = Truth()
+    recorder = Truths(trainer, truth)
+    trainer.add_callback(recorder)
+    trainer.train()
+    AcceleratorState._reset_state(reset_partial_state=True)
+
+    logs = [entry for entry in trainer.state.log_history if "grad_norm" in entry]
+    assert len(logs) == steps
+    truth.grad_norm = [entry["grad_norm"] for entry in logs]  # the Trainer's own, pre-clip
+    assert max(truth.grad_norm) > 10 * 1.0  # the spikes, though clipped to 1.0
+    inner = trainer.optimizer.optimizer
+    final = int(inner.state[inner.param_groups[0]["params"][0]]["step"])
+    counters = [*recorder.counters[1:], final]
+    truth.skipped = [a == b for b, a in zip(recorder.counters, counters)]
+    assert not any(truth.skipped)
+    stored = stored_run(live_collector.url, case)
+    assert_matches(stored, truth)
+    findings = {e["data"]["code"] for e in stored["events"] if e["kind"] == "finding"}
+    assert "bf16_in_use" in findings  # autocast entered inside the model's forward
