@@ -139,3 +139,37 @@ def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_colle
     assert len(truth.skipped) == steps == engine.global_steps
     assert sum(truth.skipped) >= 2, "overflows were not forced"
     assert_matches(stored_run(live_collector.url, case), truth)
+
+
+def test_the_manual_api_example_records_one_step_per_boundary(process_group, live_collector):
+    """`ampwatch.agent.manual`'s DeepSpeed example, as written there, with accumulation 4:
+    one record per optimizer step and exactly the engine's skips (it used to record every
+    micro-batch and count the non-boundary ones as skipped)."""
+    from ampwatch.agent import watch as agent_watch
+
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
+    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
+              "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
+    engine, *_ = deepspeed.initialize(
+        model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
+    )
+    handle = agent_watch(engine.module, run="manual", url=live_collector.url)
+    skips = []
+    for index in range(100):
+        loss = F.mse_loss(engine(torch.randn(8, 16).half()), torch.randn(8, 4).half())
+        if index in (10, 50):
+            loss = loss * 1e6
+        engine.backward(loss)
+        handle.log_loss(loss)
+        boundary = engine.is_gradient_accumulation_boundary()
+        scale, lr = engine.optimizer.loss_scale, engine.get_lr()[0]
+        engine.step()
+        if boundary:
+            handle.record(loss_scale=scale, lr=lr, skipped=not engine.was_step_applied(),
+                          grad_norm=engine.get_global_grad_norm())
+            skips.append(not engine.was_step_applied())
+    handle.detach()
+    steps = stored_run(live_collector.url, "manual")["steps"]
+    assert steps["step"] == list(range(1, 26)) and engine.global_steps == 25
+    assert steps["skipped"] == skips and sum(skips) == engine.skipped_steps == 2
