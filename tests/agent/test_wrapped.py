@@ -33,7 +33,7 @@ def test_a_closure_step_is_measured_after_the_closure(collector: FakeCollector) 
     for step in range(1, 6):
         x = torch.randn(8, 4) * (1e3 if step == 3 else 1.0)
 
-        def closure() -> torch.Tensor:
+        def closure(x: torch.Tensor = x) -> torch.Tensor:
             optimizer.zero_grad()
             loss = model(x).pow(2).mean()
             loss.backward()
