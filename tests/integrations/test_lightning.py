@@ -142,3 +142,17 @@ def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
     findings = {e["data"]["code"] for e in stored["events"] if e["kind"] == "finding"}
     # Lightning enters autocast around training_step, which calls submodules only.
     assert ("bf16_in_use" in findings) == (precision == "bf16")
+
+
+def test_the_lightning_overhead_bench_runs_a_quick_round() -> None:
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    bench = Path(__file__).parents[2] / "bench" / "agent_overhead.py"
+    result = subprocess.run(
+        [sys.executable, str(bench), "--lightning", "--quick", "--sizes", "0.1M"],
+        capture_output=True, text=True, timeout=300, check=True,
+    )
+    assert "callback/plain  wall ratio median" in result.stdout
+    assert "isolated: on_before_backward" in result.stdout
