@@ -156,3 +156,52 @@ def test_the_lightning_overhead_bench_runs_a_quick_round() -> None:
     )
     assert "callback/plain  wall ratio median" in result.stdout
     assert "isolated: on_before_backward" in result.stdout
+
+
+def _trainer(callback: AmpwatchCallback, steps: int, **kwargs) -> Trainer:
+    return Trainer(
+        accelerator="cpu", devices=1, max_steps=steps, callbacks=[callback, *kwargs.pop("extra", [])],
+        logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+    )
+
+
+def _loader(batches: int) -> DataLoader:
+    torch.manual_seed(1)
+    return DataLoader(TensorDataset(torch.randn(batches * 8, 16), torch.randn(batches * 8, 4)),
+                      batch_size=8)
+
+
+def test_a_resumed_fit_continues_the_run_and_a_failing_one_ends_it_failed(
+    live_collector, tmp_path
+) -> None:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    def callback() -> AmpwatchCallback:
+        return AmpwatchCallback(run="resumed", run_id="resumed-1", url=live_collector.url)
+
+    first = TinyNet(fused=False, spike_batches=set(), truth=Truth())
+    saver = ModelCheckpoint(dirpath=tmp_path, save_last=True)
+    _trainer(callback(), 30, extra=[saver]).fit(first, _loader(40))
+    resumed = TinyNet(fused=False, spike_batches=set(), truth=Truth())
+    _trainer(callback(), 50, enable_checkpointing=False).fit(
+        resumed, _loader(40), ckpt_path=str(tmp_path / "last.ckpt")
+    )
+    stored = stored_run(live_collector.url, "resumed")
+    assert stored["steps"]["step"] == list(range(1, 51))  # numbering continues at 31
+    ends = [e["data"]["status"] for e in stored["events"] if e["kind"] == "run_end"]
+    assert ends == ["finished", "finished"]
+
+    class Failing(TinyNet):
+        def training_step(self, batch, index):
+            if index == 12:
+                raise RuntimeError("diverged")
+            return super().training_step(batch, index)
+
+    failing = Failing(fused=False, spike_batches=set(), truth=Truth())
+    with pytest.raises(RuntimeError, match="diverged"):
+        _trainer(AmpwatchCallback(run="failing", url=live_collector.url), 30,
+                 enable_checkpointing=False).fit(failing, _loader(40))
+    stored = stored_run(live_collector.url, "failing")
+    assert stored["steps"]["step"] == list(range(1, 13))
+    (end,) = [e for e in stored["events"] if e["kind"] == "run_end"]
+    assert end["data"]["status"] == "failed" and "diverged" in end["data"]["reason"]
