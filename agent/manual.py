@@ -41,10 +41,15 @@ fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer a
     handle.record(loss=loss, loss_scale=trainer.optimizer.scaler.loss_scale, skipped=skipped)
 
 Megatron-LM (`optimizer.get_loss_scale()` returns a device tensor: pass it as is, no sync;
-`optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad))::
+`optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad); read the
+scale before `step()`, which updates it. Not run: megatron-core 0.16.1, the last release
+for Python 3.11, imports on the CPU, but `MegatronGradScaler.__init__` allocates its scale
+with `device='cuda'`)::
+
+    loss_scale = optimizer.get_loss_scale()
 
     update_successful, grad_norm, _ = optimizer.step()
-    handle.record(loss=loss, loss_scale=optimizer.get_loss_scale(),
+    handle.record(loss=loss, loss_scale=loss_scale,
                   skipped=not update_successful, grad_norm=grad_norm,
                   lr=optimizer.param_groups[0]["lr"])
 
