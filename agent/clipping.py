@@ -74,30 +74,26 @@ def _uninstall_if_unused() -> None:
         _original = None
 
 
-def register(check: Check) -> Callable[[], None]:
-    """Install the wrapper (first registration) and return the function that unregisters."""
+def _add(registry: list[Any], item: Any) -> Callable[[], None]:
     _install()
-    _checkers.append(check)
+    registry.append(item)
 
     def unregister() -> None:
-        if check in _checkers:
-            _checkers.remove(check)
+        if item in registry:
+            registry.remove(item)
         _uninstall_if_unused()
 
     return unregister
+
+
+def register(check: Check) -> Callable[[], None]:
+    """Install the wrapper (first registration) and return the function that unregisters."""
+    return _add(_checkers, check)
 
 
 def observe(observer: Observer) -> Callable[[], None]:
     """As `register`, for an observer of what each clip returned."""
-    _install()
-    _observers.append(observer)
-
-    def unregister() -> None:
-        if observer in _observers:
-            _observers.remove(observer)
-        _uninstall_if_unused()
-
-    return unregister
+    return _add(_observers, observer)
 
 
 class ScaledClipCheck:

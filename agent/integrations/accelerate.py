@@ -19,25 +19,18 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
-_MISSING = object()
+from ampwatch.agent.patch import patch_method
 
 
 def tap_backward(accelerator: Any, handle: Any) -> Callable[[], None]:
     """Patch `backward` on this accelerator instance to log each micro-batch's loss first;
     return the function that puts the original back (detach calls it)."""
-    original = accelerator.backward
-    saved = accelerator.__dict__.get("backward", _MISSING)
 
-    def backward(loss: Any, **kwargs: Any) -> Any:
-        handle.log_loss(loss)  # never raises; a tensor: no host sync
-        return original(loss, **kwargs)
+    def make(original: Callable[..., Any]) -> Callable[..., Any]:
+        def backward(loss: Any, **kwargs: Any) -> Any:
+            handle.log_loss(loss)  # never raises; a tensor: no host sync
+            return original(loss, **kwargs)
 
-    accelerator.backward = backward
+        return backward
 
-    def restore() -> None:
-        if saved is _MISSING:
-            accelerator.__dict__.pop("backward", None)
-        else:
-            accelerator.backward = saved
-
-    return restore
+    return patch_method(accelerator, "backward", make)

@@ -37,10 +37,9 @@ import torch
 
 from ampwatch.agent import WatchHandle
 from ampwatch.agent import watch as watch_model
+from ampwatch.agent.patch import patch_method
 
 __all__ = ["watch"]
-
-_MISSING = object()
 
 
 def watch(engine: Any, **watch_kwargs: Any) -> WatchHandle:
@@ -81,22 +80,17 @@ class _EngineTap:
     def __init__(self, engine: Any, handle: Any) -> None:
         self._engine = engine
         self._handle = handle
-        self._saved: dict[str, Any] = {}
+        self._restores: list[Callable[[], None]] = []
         self._stage = int(engine.zero_optimization_stage())
 
     def attach(self) -> None:
-        for name, wrapper in (("backward", self._backward), ("step", self._step)):
-            self._saved[name] = self._engine.__dict__.get(name, _MISSING)
-            original = getattr(self._engine, name)
-            setattr(self._engine, name, wrapper(original))
+        for name, make in (("backward", self._backward), ("step", self._step)):
+            self._restores.append(patch_method(self._engine, name, make))
 
     def detach(self) -> None:
-        for name, previous in self._saved.items():
-            if previous is _MISSING:
-                self._engine.__dict__.pop(name, None)
-            else:
-                setattr(self._engine, name, previous)
-        self._saved.clear()
+        for restore in reversed(self._restores):
+            restore()
+        self._restores.clear()
 
     def _backward(self, original: Callable[..., Any]) -> Callable[..., Any]:
         def backward(loss: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
