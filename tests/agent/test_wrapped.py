@@ -1,5 +1,7 @@
-"""Wrapped objects are unwrapped at attach; an unsupported one is a TypeError that says
-what is supported, never an AttributeError from inside the agent."""
+"""The loop shapes frameworks produce, on plain torch: wrapped objects unwrapped at attach
+(an unsupported one is a TypeError that says what is supported, never an AttributeError
+from inside the agent), `step(closure)`, losses divided by the accumulation steps or given
+as numbers, the loop's own clip norm, autocast entered inside `forward`."""
 
 from __future__ import annotations
 
@@ -47,3 +49,99 @@ def test_a_closure_step_is_measured_after_the_closure(collector: FakeCollector) 
     assert max(range(5), key=lambda i: collector.column("grad_norm")[i]) == 2
     assert all(v is not None for v in collector.column("loss"))  # the closure's loss
     assert collector.column("skipped") == [False] * 5
+
+
+@pytest.mark.parametrize("reduction", ["mean", "sum"])
+def test_the_stored_loss_is_the_undivided_step_loss(
+    reduction: str, collector: FakeCollector
+) -> None:
+    """Accumulation over 4 micro-batches: a loop that divides each loss by 4 before
+    backward says `loss_reduction="sum"`; one that does not keeps the default mean. Either
+    way the stored loss is the mean micro-batch loss, as the loop computed it."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = watch(model, optimizer, scaler, transport=collector, loss_reduction=reduction)
+    expected = []
+    for _ in range(3):
+        losses = []
+        for _ in range(4):
+            loss = model(torch.randn(8, 4)).pow(2).mean()
+            losses.append(loss.item())
+            scaler.scale(loss / 4 if reduction == "sum" else loss).backward()
+        expected.append(sum(losses) / 4)
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    handle.detach()
+    assert collector.column("loss") == pytest.approx(expected, rel=1e-6)
+
+
+def test_log_loss_takes_numbers_and_wins_over_the_scaler(collector: FakeCollector) -> None:
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu")
+    handle = watch(model, optimizer, scaler, transport=collector)
+    for value in (2.0, 3.0):
+        loss = model(torch.randn(8, 4)).pow(2).mean()
+        handle.log_loss(value)  # a Python float: what the loop logged
+        scaler.scale(loss).backward()
+        scaler.step(optimizer)
+        scaler.update()
+        optimizer.zero_grad()
+    handle.detach()
+    assert collector.column("loss") == [2.0, 3.0]
+    assert handle.counters["hook_errors"] == 0
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_the_grad_norm_is_the_one_the_loops_clip_returned(
+    with_scaler: bool, collector: FakeCollector
+) -> None:
+    """Read after clipping, a spike would be stored as the threshold."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=1)
+    returned = []
+    for step in range(4):
+        loss = model(torch.randn(8, 4) * (1e4 if step == 2 else 1.0)).pow(2).mean()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        returned.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    handle.detach()
+    assert collector.column("grad_norm") == returned
+    assert returned[2] > 1e3  # the spike is stored as it was, not as 1.0
+
+
+def test_autocast_entered_inside_forward_is_found(collector: FakeCollector) -> None:
+    class SelfCasting(nn.Module):  # as accelerate and HF models do
+        def __init__(self) -> None:
+            super().__init__()
+            self.body = nn.Linear(4, 4)
+            self.head = nn.Linear(4, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            with torch.autocast("cpu", dtype=torch.bfloat16):
+                return self.head(self.body(x))
+
+    model = SelfCasting()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    handle = watch(model, optimizer, transport=collector)
+    model(torch.randn(2, 4)).float().sum().backward()
+    optimizer.step()
+    assert not model._forward_hooks and not model.body._forward_pre_hooks  # the probe left
+    handle.detach()
+    codes = [e["data"]["code"] for e in collector.events("finding")]
+    assert codes == ["bf16_in_use"]
