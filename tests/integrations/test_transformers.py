@@ -29,8 +29,8 @@ SPIKE = 1e6
 
 CASES = {
     # name: (precision, fused, accumulation, optimizer steps)
-    "hf-bf16-unfused-acc1": ("bf16", False, 1, 150),
-    "hf-bf16-fused-acc4": ("bf16", True, 4, 50),
+    "hf-bf16-unfused-acc1": ("bf16", False, 1, 100),
+    "hf-bf16-fused-acc4": ("bf16", True, 4, 30),
     "hf-fp16-scaler-unfused-acc4": ("fp16", False, 4, 20),
     "hf-fp16-scaler-fused-acc1": ("fp16", True, 1, 60),
 }
