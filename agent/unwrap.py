@@ -41,14 +41,14 @@ def unwrap_optimizer(optimizer: object) -> torch.optim.Optimizer:
     """
     current = optimizer
     for _ in range(_MAX_DEPTH):
-        # AcceleratedOptimizer subclasses Optimizer without its __init__ (no hook dicts):
-        # an inner optimizer wins over the wrapper's own isinstance.
+        # AcceleratedOptimizer subclasses Optimizer without its __init__ (no hook dicts),
+        # and a LightningOptimizer takes on its optimizer's class: an inner optimizer wins
+        # over the wrapper's own isinstance.
         inner = next(
             (
                 getattr(current, name)
                 for name in _OPTIMIZER_ATTRIBUTES
                 if isinstance(getattr(current, name, None), torch.optim.Optimizer)
-                or type(getattr(current, name, None)).__name__ == "LightningOptimizer"
             ),
             None,
         )
