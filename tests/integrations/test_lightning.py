@@ -205,3 +205,21 @@ def test_a_resumed_fit_continues_the_run_and_a_failing_one_ends_it_failed(
     assert stored["steps"]["step"] == list(range(1, 13))
     (end,) = [e for e in stored["events"] if e["kind"] == "run_end"]
     assert end["data"]["status"] == "failed" and "diverged" in end["data"]["reason"]
+
+
+def test_a_lightning_optimizer_is_unwrapped_to_the_one_it_steps() -> None:
+    """`self.optimizers()` in a LightningModule is a LightningOptimizer, which takes on its
+    optimizer's class without being it: watch() hooks the optimizer inside."""
+    from lightning.pytorch.core.optimizer import LightningOptimizer
+
+    from ampwatch.agent import watch
+
+    model = nn.Linear(4, 2)
+    inner = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    handle = watch(model, LightningOptimizer(inner), transport=lambda body, headers: 200)
+    assert inner._optimizer_step_pre_hooks and inner._optimizer_step_post_hooks
+    model(torch.randn(3, 4)).sum().backward()
+    inner.step()
+    assert handle.step == 1
+    handle.detach()
+    assert not inner._optimizer_step_pre_hooks
