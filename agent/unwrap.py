@@ -11,7 +11,7 @@ as the user's model names them. Anything else is a `TypeError` that says what is
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -86,7 +86,7 @@ def unwrap_model(model: object) -> nn.Module:
         if isinstance(current, (nn.parallel.DistributedDataParallel, nn.DataParallel)):
             current = current.module
         elif isinstance(getattr(current, "_orig_mod", None), nn.Module):  # torch.compile
-            current = current._orig_mod
+            current = cast(nn.Module, current._orig_mod)
         else:
             break
     return current

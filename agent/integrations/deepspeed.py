@@ -62,7 +62,7 @@ def watch(engine: Any, **watch_kwargs: Any) -> WatchHandle:
                          **watch_kwargs)
     tap = _EngineTap(engine, handle)
     tap.attach()
-    handle._detach_actions.insert(0, tap.detach)  # type: ignore[attr-defined]
+    handle._detach_actions.insert(0, tap.detach)
     return handle
 
 

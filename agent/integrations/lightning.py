@@ -38,12 +38,16 @@ from ampwatch.agent import WatchHandle, watch
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package has the same API
-    from pytorch_lightning import Callback, LightningModule, Trainer  # type: ignore[no-redef]
+    from pytorch_lightning import (  # type: ignore[assignment]
+        Callback,
+        LightningModule,
+        Trainer,
+    )
 
 __all__ = ["AmpwatchCallback"]
 
 
-class AmpwatchCallback(Callback):  # type: ignore[misc]
+class AmpwatchCallback(Callback):
     """Watch a Lightning fit. Keyword arguments are `ampwatch.agent.watch()`'s.
 
     >>> trainer = Trainer(callbacks=[AmpwatchCallback(run="gpt-small")])  # doctest: +SKIP
@@ -82,10 +86,11 @@ class AmpwatchCallback(Callback):  # type: ignore[misc]
             return
         try:
             value = loss.detach()
-            if self._scaler is not None:
+            scale = None if self._scaler is None else self._scaler._get_scale_async()
+            if scale is not None:
                 # Lightning's MixedPrecision scales before this hook: divide the scale back
                 # out (a device tensor; a power of two divides exactly).
-                value = value.float() / self._scaler._get_scale_async()
+                value = value.float() / scale
             self.handle.log_loss(value * self._loss_factor if self._loss_factor != 1 else value)
         except Exception as exc:  # the agent never raises into the loop
             self.handle._on_error(exc)

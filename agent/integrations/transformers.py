@@ -36,7 +36,7 @@ from ampwatch.agent import WatchHandle, watch
 __all__ = ["AmpwatchCallback"]
 
 
-class AmpwatchCallback(TrainerCallback):  # type: ignore[misc]
+class AmpwatchCallback(TrainerCallback):
     """Watch a Hugging Face Trainer run. Keyword arguments are `ampwatch.agent.watch()`'s.
 
     >>> trainer = Trainer(model, args, callbacks=[AmpwatchCallback(run="gpt")])  # doctest: +SKIP
