@@ -5,6 +5,9 @@ as numbers, the loop's own clip norm, autocast entered inside `forward`."""
 
 from __future__ import annotations
 
+from collections import Counter
+from typing import Any
+
 import pytest
 import torch
 from agent_fakes import FakeCollector
@@ -145,3 +148,57 @@ def test_autocast_entered_inside_forward_is_found(collector: FakeCollector) -> N
     handle.detach()
     codes = [e["data"]["code"] for e in collector.events("finding")]
     assert codes == ["bf16_in_use"]
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_the_new_paths_add_no_host_sync(
+    with_scaler: bool, monkeypatch: pytest.MonkeyPatch, collector: FakeCollector
+) -> None:
+    """The loop shapes above (closure step, the loop's clip, a logged tensor loss) read
+    nothing on the training thread that the bare loop does not (see test_cost.py)."""
+    from test_cost import _count_host_reads
+
+    def setup() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler | None]:
+        torch.manual_seed(0)
+        model = nn.Sequential(nn.Linear(8, 16), nn.GELU(), nn.Linear(16, 4))
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+        return model, optimizer, torch.amp.GradScaler("cpu") if with_scaler else None
+
+    def loop(model: nn.Module, optimizer: torch.optim.Optimizer, scaler: Any, log: Any) -> None:
+        for _ in range(6):
+            x = torch.randn(4, 8)
+            if scaler is not None:
+                loss = model(x).pow(2).mean()
+                log(loss)
+                scaler.scale(loss).backward()
+                scaler.unscale_(optimizer)
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                scaler.step(optimizer)
+                scaler.update()
+            else:
+
+                def closure(x: torch.Tensor = x) -> torch.Tensor:
+                    optimizer.zero_grad()
+                    loss = model(x).pow(2).mean()
+                    log(loss)
+                    loss.backward()
+                    torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+                    return loss
+
+                optimizer.step(closure)
+            optimizer.zero_grad()
+
+    counts = _count_host_reads(monkeypatch)
+    loop(*setup(), log=lambda loss: None)  # warm-up
+    objects = setup()
+    counts.clear()
+    loop(*objects, log=lambda loss: None)
+    bare = Counter(counts)
+    model, optimizer, scaler = setup()
+    handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=2)
+    counts.clear()
+    loop(model, optimizer, scaler, log=handle.log_loss)
+    watched = Counter(counts)
+    handle.detach()
+    assert watched == bare
+    assert len(collector.steps()) == 6 and len(collector.layer_stats()) == 3
