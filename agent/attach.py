@@ -190,8 +190,9 @@ class _AttachedHandle(WatchHandle):
         self._step = start_step
         self._summed = loss_reduction == "sum"
         #: Norms the loop's own clip_grad_norm_ returned since the last step, each with the
-        #: number of gradients it covered; None once a clip ran on still-scaled grads.
-        self._clips: list[tuple[torch.Tensor, int]] | None = []
+        #: norm after that clip and the number of gradients it covered; None once a clip
+        #: ran on still-scaled grads.
+        self._clips: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None = []
         #: A sampled step's range statistics, taken just before the loop's clip.
         self._early_layers: LayerSample | None = None
         self._model = model
@@ -211,7 +212,8 @@ class _AttachedHandle(WatchHandle):
         self._scaled_loss: RunningMean | None = None  # what scaler.scale() saw
         self._closure_loss: torch.Tensor | None = None  # what step(closure)'s closure returned
         self._applied = True  # no-scaler path: whether the step had any gradient
-        self._pending: tuple[torch.Tensor | None, LayerSample | None] = (None, None)
+        #: No-scaler path: the step's norms and layer sample, measured before step().
+        self._pending: tuple[dict[str, torch.Tensor], LayerSample | None] = ({}, None)
         self._reported: set[str] = set()
         self._tap: ScalerTap | None = None
         self._act: ActivationNorm | None = None
@@ -402,27 +404,38 @@ class _AttachedHandle(WatchHandle):
         early, self._early_layers = self._early_layers, None
         return early if early is not None else self._layer_sample(step, grads, scale)
 
-    def _on_clip(self, params: list[torch.Tensor], total: torch.Tensor, norm_type: Any) -> None:
+    def _on_clip(
+        self, params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm_type: Any
+    ) -> None:
         try:
             if self._clips is None:
                 return
             if isinstance(norm_type, (int, float)) and float(norm_type) == 2.0:
                 covered = sum(1 for p in params if p.grad is not None)
-                self._clips.append((total.detach(), covered))
+                total = total.detach()
+                after = None
+                if isinstance(max_norm, (int, float, torch.Tensor)):
+                    after = clipping.clipped_norm(total, max_norm)
+                self._clips.append((total, after, covered))
             else:
                 self._clips = None  # another norm: measure the L2 norm ourselves
         except Exception as exc:
             self._on_error(exc)
 
-    def _norm(self, grads: list[torch.Tensor]) -> torch.Tensor | None:
+    def _norms(self, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
         """The step's unscaled L2 grad norm: the one the loop's clip returned (before
-        clipping) when one clip covered every gradient, else one pass of our own."""
+        clipping) when one clip covered every gradient, with the norm after that clip as
+        `grad_norm_clipped`; else one pass of our own (and no clipped norm)."""
         clips, self._clips = self._clips, []
         if not self._grad_norm or not grads:
-            return None
-        if clips is not None and len(clips) == 1 and clips[0][1] == len(grads):
-            return clips[0][0]
-        return global_grad_norm(grads)
+            return {}
+        if clips is not None and len(clips) == 1 and clips[0][2] == len(grads):
+            total, after, _ = clips[0]
+            norms = {"grad_norm": total}
+            if after is not None:
+                norms["grad_norm_clipped"] = after
+            return norms
+        return {"grad_norm": global_grad_norm(grads)}
 
     def _step_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample:
         if (loss := self._take_loss()) is not None:
@@ -467,9 +480,7 @@ class _AttachedHandle(WatchHandle):
         layers = self._take_layers(step, grads, scale)
         sample = None
         if self._send_steps:
-            scalars = {"loss_scale": scale, "found_inf": found_inf}
-            if (norm := self._norm(grads[1])) is not None:
-                scalars["grad_norm"] = norm
+            scalars = {"loss_scale": scale, "found_inf": found_inf, **self._norms(grads[1])}
             sample = self._step_sample(step, scalars)
         return sample, layers
 
@@ -506,7 +517,7 @@ class _AttachedHandle(WatchHandle):
             self._measure_pre_step()
             return result
 
-        self._pending = (None, None)
+        self._pending = ({}, None)
         if "closure" in kwargs:
             return args, {**kwargs, "closure": measured_closure}
         return (args[0], measured_closure, *args[2:]), kwargs
@@ -514,25 +525,23 @@ class _AttachedHandle(WatchHandle):
     def _measure_pre_step(self) -> None:
         try:
             grads = named_grads(self._named_params)
-            norm = self._norm(grads[1]) if self._send_steps else None
+            norms = self._norms(grads[1]) if self._send_steps else {}
             self._applied = bool(grads[1])
-            self._pending = (norm, self._take_layers(self._step + 1, grads, None))
+            self._pending = (norms, self._take_layers(self._step + 1, grads, None))
         except Exception as exc:
             self._on_error(exc)
 
     def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
         try:
-            norm, layers = self._pending
-            self._pending = (None, None)
+            norms, layers = self._pending
+            self._pending = ({}, None)
             closure_loss, self._closure_loss = self._closure_loss, None
             if closure_loss is not None and not self._loss.count:
                 loss = closure_loss.detach()
                 self._loss.add(loss.float().mean() if loss.dim() else loss)
             sample = None
             if self._send_steps:
-                sample = self._step_sample(
-                    self._step + 1, {} if norm is None else {"grad_norm": norm}
-                )
+                sample = self._step_sample(self._step + 1, dict(norms))
                 # Without a scaler every step is applied, unless no parameter had a
                 # gradient (a skipped backward): the optimizer then changes nothing.
                 sample.host["found_inf"] = 0.0 if self._applied else 1.0

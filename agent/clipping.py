@@ -10,7 +10,9 @@ a watched optimizer whose stage is READY, while its grads carry the scale, is th
 The total norm a clip returns is the norm BEFORE clipping, which the loop has already paid
 for: observers (`observe`) get it, and the agent stores it as the step's grad norm instead
 of a second pass over every gradient. Read after clipping instead, a spike is stored as the
-threshold (HF's default `max_grad_norm=1.0` turns every spike into ~1.0).
+threshold (HF's default `max_grad_norm=1.0` turns every spike into ~1.0). The clip's
+`max_norm` goes to observers too: the norm after clipping follows from the two on the
+device (`clipped_norm`), without a second pass or a host read.
 
 `clip_grad_norm_` is a plain function looked up on its module at call time, so the only
 way to see the call without the user's help is to replace that attribute. The replacement
@@ -32,8 +34,8 @@ import torch.nn.utils.clip_grad as _clip_grad_module
 from torch.amp.grad_scaler import OptState
 
 Check = Callable[[list[torch.Tensor]], None]
-#: (parameters clipped, the total norm the clip returned, its norm_type)
-Observer = Callable[[list[torch.Tensor], torch.Tensor, Any], None]
+#: (parameters clipped, the total norm the clip returned, its max_norm, its norm_type)
+Observer = Callable[[list[torch.Tensor], torch.Tensor, Any, Any], None]
 
 #: Checkers of live handles: each gets the parameters being clipped, before the clip.
 _checkers: list[Check] = []
@@ -51,10 +53,22 @@ def _wrapper(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     for check in _checkers:
         check(params)  # checkers never raise (see ScaledClipCheck.__call__)
     total = _original(parameters, *args, **kwargs)
+    max_norm = kwargs.get("max_norm", args[0] if args else None)
     norm_type = kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0)
     for observer in _observers:
-        observer(params, total, norm_type)  # observers never raise either
+        observer(params, total, max_norm, norm_type)  # observers never raise either
     return total
+
+
+def clipped_norm(total: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
+    """The gradients' total norm after `clip_grad_norm_(..., max_norm)` scaled them, from
+    the norm it returned: torch multiplies every gradient by min(1, max_norm / (total +
+    1e-6)) (`_clip_grads_with_norm_`), and a norm is homogeneous. An Inf total gives a
+    coefficient of 0 and Inf x 0 = NaN gradients, a NaN total NaN ones: NaN either way,
+    which is what the clipped gradients hold. (Not covered: finite gradients whose float32
+    norm overflows to Inf are zeroed by that clip, and this says NaN.)"""
+    coef = torch.clamp(max_norm / (total + 1e-6), max=1.0)
+    return total * coef
 
 
 def _install() -> None:
