@@ -102,21 +102,30 @@ def test_log_loss_takes_numbers_and_wins_over_the_scaler(collector: FakeCollecto
 def test_the_grad_norm_is_the_one_the_loops_clip_returned(
     with_scaler: bool, collector: FakeCollector
 ) -> None:
-    """Read after clipping, a spike would be stored as the threshold."""
+    """Read after clipping, a spike would be stored as the threshold. The norm after the
+    clip is stored besides it: the norm of the gradients torch's own clip left, below the
+    threshold (coefficient clamped at 1), above it, and on an overflowing step (an Inf
+    gradient: the clip multiplies by 0 and leaves NaN, which the scaler's step skips)."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if with_scaler else None
     handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=1)
-    returned = []
-    for step in range(4):
+    returned, after = [], []
+    for step in range(5):
         loss = model(torch.randn(8, 4) * (1e4 if step == 2 else 1.0)).pow(2).mean()
         if scaler is not None:
             scaler.scale(loss).backward()
-            scaler.unscale_(optimizer)
         else:
             loss.backward()
-        returned.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0).item())
+        if step == 4:  # the last step: without a scaler its NaN update is applied
+            assert model.weight.grad is not None
+            model.weight.grad[0, 0] = float("inf")  # as an overflowing backward leaves it
+        if scaler is not None:
+            scaler.unscale_(optimizer)
+        returned.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 4.0).item())
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        after.append(torch.nn.utils.get_total_norm(grads).item())
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -125,7 +134,15 @@ def test_the_grad_norm_is_the_one_the_loops_clip_returned(
         optimizer.zero_grad()
     handle.detach()
     assert collector.column("grad_norm") == returned
-    assert returned[2] > 1e3  # the spike is stored as it was, not as 1.0
+    assert returned[2] > 1e3  # the spike is stored as it was, not as the threshold
+    clipped = collector.column("grad_norm_clipped")
+    assert clipped[4] != clipped[4] and after[4] != after[4]  # NaN, as the clipped grads
+    finite = [0, 1, 2, 3]
+    assert [clipped[i] for i in finite] == pytest.approx([after[i] for i in finite], rel=1e-6)
+    assert any(returned[i] < 4.0 and clipped[i] == returned[i] for i in finite)  # unclipped
+    assert clipped[2] == pytest.approx(4.0, rel=1e-5)
+    assert returned[4] == float("inf")
+    assert collector.column("skipped") == [False] * 4 + [with_scaler]
 
 
 def test_autocast_entered_inside_forward_is_found(collector: FakeCollector) -> None:

@@ -22,6 +22,8 @@ class Truth:
     lr: list[float] = field(default_factory=list)
     loss: list[float] = field(default_factory=list)
     grad_norm: list[float] = field(default_factory=list)
+    #: The norm of the gradients the loop's clip left (compared when the test records it).
+    grad_norm_clipped: list[float] = field(default_factory=list)
     #: step -> {parameter name: zero fraction of its gradient}
     zero_fraction: dict[int, dict[str, float]] = field(default_factory=dict)
 
@@ -57,7 +59,8 @@ def _mismatch(stored: list[Any], expected: list[float | None], rel: float) -> st
 
 def assert_matches(stored: dict[str, Any], truth: Truth, *, rel: float = 1e-5) -> None:
     """Step by step: one record per optimizer step, exact skips and scales, lr, the
-    undivided loss, the pre-clip grad norm, and the sampled steps' zero fractions."""
+    undivided loss, the pre-clip grad norm (and the post-clip one where the truth has it),
+    and the sampled steps' zero fractions."""
     steps = stored["steps"]
     count = len(truth.skipped)
     assert steps["step"] == list(range(1, count + 1))
@@ -66,6 +69,9 @@ def assert_matches(stored: dict[str, Any], truth: Truth, *, rel: float = 1e-5) -
     assert _mismatch(steps["lr"], truth.lr, 1e-12) is None, _mismatch(steps["lr"], truth.lr, 1e-12)
     assert _mismatch(steps["loss"], truth.loss, rel) is None, _mismatch(steps["loss"], truth.loss, rel)
     assert _mismatch(steps["grad_norm"], truth.grad_norm, rel) is None, _mismatch(steps["grad_norm"], truth.grad_norm, rel)
+    if truth.grad_norm_clipped:
+        clipped = _mismatch(steps["grad_norm_clipped"], truth.grad_norm_clipped, rel)
+        assert clipped is None, clipped
     layers = stored["layers"]
     assert layers["steps"] == sorted(truth.zero_fraction)
     for step, row in zip(layers["steps"], layers["values"], strict=True):

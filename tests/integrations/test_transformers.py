@@ -1,6 +1,7 @@
 """The Hugging Face Trainer (transformers 5.x) on the CPU against a live collector: a
 2-layer GPT-2 built from a config (nothing downloaded), compared step by step with the
-Trainer's own ground truth: its logged `grad_norm` (before clipping), the lr and scale in
+Trainer's own ground truth: its logged `grad_norm` (before clipping) and the norm of the
+gradients its clip left (stored as `grad_norm_clipped`), the lr and scale in
 effect at `on_pre_optimizer_step`, the sum of what `training_step` returned (what it logs
 as `loss`, before rounding), and the optimizer's step counter (it does not move on a skip).
 
@@ -11,6 +12,8 @@ True` before `train()` creates the optimizer, which is what accelerate does on a
 """
 
 from __future__ import annotations
+
+import math
 
 import pytest
 
@@ -56,6 +59,8 @@ class Truths(TrainerCallback):
         scaler = optimizer.scaler
         self.truth.loss_scale.append(None if scaler is None else scaler.get_scale())
         self.truth.lr.append(inner.param_groups[0]["lr"])
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        self.truth.grad_norm_clipped.append(torch.nn.utils.get_total_norm(grads).item())
         step = len(self.truth.lr)
         if (step - 1) % EVERY == 0:
             self.truth.zero_fraction[step] = {
@@ -108,6 +113,13 @@ def test_hf_trainer_is_stored_exactly(case: str, live_collector, tmp_path) -> No
     truth.grad_norm = [entry["grad_norm"] for entry in logs]  # the Trainer's own, pre-clip
     if precision == "bf16":  # under FP16 the spikes overflow instead
         assert max(truth.grad_norm) > 10 * 1.0  # the spikes, though clipped to 1.0
+    # HF clips to max_grad_norm=1.0: after its clip the norm is min(logged, 1.0); on an
+    # overflowing FP16 step the clip by an Inf norm leaves NaN gradients (the step skips).
+    for logged, after in zip(truth.grad_norm, truth.grad_norm_clipped, strict=True):
+        if math.isfinite(logged):
+            assert after == pytest.approx(min(logged, 1.0), rel=1e-5)
+        else:
+            assert math.isnan(after)
     inner = trainer.optimizer.optimizer
     final = int(inner.state[inner.param_groups[0]["params"][0]]["step"])
     counters = [*recorder.counters[1:], final]
