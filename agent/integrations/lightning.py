@@ -19,7 +19,14 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
   at call time, so the agent stores the norm it returned, before clipping.
 - `trainer.global_step` counts optimizer steps, skipped ones included, as the agent does;
   a resumed fit continues from it (`start_step`). Several optimizers need manual
-  optimization in Lightning 2: the first optimizer's step is the training step.
+  optimization in Lightning 2: the first optimizer's step (`configure_optimizers` order)
+  is the training step, with the gradients present when it steps, `lr` its first group's
+  (`lr_groups` every group of every optimizer), and as loss the first backward of each
+  batch (a GAN's discriminator loss, for a discriminator stepped first): the later
+  backwards belong to the other optimizers' steps. Lightning's `global_step` counts every
+  optimizer's steps there (2 per batch for two), so a resumed multi-optimizer fit does
+  not continue the numbering exactly. With a scaler, Lightning's precision plugin calls
+  `scaler.update()` after each optimizer's step, so each is a record there.
 - DDP: every rank's callback attaches (the run id is rank 0's, broadcast once), rank 0
   sends the step scalars, every rank its layer statistics.
 
@@ -59,6 +66,9 @@ class AmpwatchCallback(Callback):
                 raise TypeError(f"AmpwatchCallback sets {owned} itself from the Trainer")
         self._watch_kwargs = watch_kwargs
         self._loss_factor = 1
+        #: Several optimizers: only each batch's first backward loss is the step's.
+        self._first_loss_only = False
+        self._loss_taken = False
         self._scaler: torch.amp.GradScaler | None = None
         self.handle: WatchHandle | None = None
 
@@ -68,6 +78,7 @@ class AmpwatchCallback(Callback):
         scaler = getattr(trainer.precision_plugin, "scaler", None)
         automatic = pl_module.automatic_optimization
         self._loss_factor = trainer.accumulate_grad_batches if automatic else 1
+        self._first_loss_only = not automatic and len(trainer.optimizers) > 1
         if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
             scaler = None
         self._scaler = scaler
@@ -79,11 +90,17 @@ class AmpwatchCallback(Callback):
             **self._watch_kwargs,
         )
 
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._loss_taken = False
+
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
     ) -> None:
-        if self.handle is None:
+        if self.handle is None or (self._first_loss_only and self._loss_taken):
             return
+        self._loss_taken = True
         try:
             value = loss.detach()
             scale = None if self._scaler is None else self._scaler._get_scale_async()

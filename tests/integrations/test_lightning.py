@@ -223,3 +223,79 @@ def test_a_lightning_optimizer_is_unwrapped_to_the_one_it_steps() -> None:
     assert handle.step == 1
     handle.detach()
     assert not inner._optimizer_step_pre_hooks
+
+
+class TwoOptimizers(LightningModule):
+    """A GAN-shaped manual-optimization `training_step` (Lightning's own GAN example: the
+    discriminator steps first, each optimizer zeroes its gradients after its step); the
+    truth is read just before the discriminator's step, the first optimizer's."""
+
+    def __init__(self, spike_batches: set[int], truth: Truth) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+        self.gen = nn.Sequential(nn.Linear(8, 32), nn.ReLU(), nn.Linear(32, 16))
+        self.disc = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 1))
+        self.spike_batches, self.truth = spike_batches, truth
+        self.counters: list[int] = []
+        self.lr_groups: list[list[float]] = []
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> None:
+        opt_d, opt_g = self.optimizers()
+        real, noise = batch[0], batch[1][:, :4].repeat(1, 2)
+        fake = self.gen(noise)
+        loss_d = (F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean()).float()
+        if index in self.spike_batches:
+            loss_d = loss_d * SPIKE
+        self.manual_backward(loss_d)
+        truth, inner = self.truth, opt_d.optimizer
+        truth.loss.append(loss_d.item())
+        truth.loss_scale.append(None)
+        truth.lr.append(inner.param_groups[0]["lr"])
+        self.lr_groups.append([inner.param_groups[0]["lr"], opt_g.optimizer.param_groups[0]["lr"]])
+        grads = {n: p.grad for n, p in self.named_parameters() if p.grad is not None}
+        assert all(n.startswith("disc.") for n in grads)  # the generator's were zeroed
+        truth.grad_norm.append(torch.nn.utils.get_total_norm(list(grads.values())).item())
+        step = len(truth.lr)
+        if (step - 1) % EVERY == 0:
+            truth.zero_fraction[step] = {n: (g == 0).double().mean().item() for n, g in grads.items()}
+        state = inner.state.get(self.disc[2].weight, {})
+        self.counters.append(int(state["step"]) if "step" in state else 0)
+        opt_d.step()
+        opt_d.zero_grad()
+        loss_g = F.softplus(-self.disc(fake)).mean().float()
+        self.manual_backward(loss_g)
+        opt_g.step()
+        opt_g.zero_grad()
+
+    def configure_optimizers(self) -> list:
+        return [torch.optim.AdamW(self.disc.parameters(), lr=2e-4),
+                torch.optim.AdamW(self.gen.parameters(), lr=1e-3)]
+
+
+def test_several_optimizers_record_the_first_ones_step(live_collector) -> None:
+    """Manual optimization with two optimizers (bf16): one record per batch, at the first
+    optimizer's step, with its lr, every optimizer's lr in `lr_groups`, the loss of the
+    batch's first backward and the gradients present when it steps; Lightning's own
+    `global_step` counts both optimizers' steps."""
+    torch.manual_seed(0)
+    batches = 60
+    spikes = {3, 40, batches - 5}
+    truth = Truth()
+    model = TwoOptimizers(spikes, truth)
+    callback = AmpwatchCallback(
+        run="two-optimizers", url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
+    )
+    # max_steps counts Lightning's global_step: every optimizer's steps, 2 per batch here
+    _trainer(callback, 2 * batches, precision="bf16-mixed", enable_checkpointing=False,
+             max_epochs=1).fit(model, _loader(batches))
+    assert model.trainer.global_step == 2 * batches
+    final = int(model.optimizers()[0].optimizer.state[model.disc[2].weight]["step"])
+    counters = [*model.counters[1:], final]
+    truth.skipped = [after == before for before, after in zip(model.counters, counters)]
+    assert not any(truth.skipped) and len(truth.skipped) == batches
+
+    stored = stored_run(live_collector.url, "two-optimizers")
+    assert stored["run"]["status"] == "ended"
+    assert_matches(stored, truth)
+    assert stored["steps"]["lr_groups"] == model.lr_groups
+    assert set(stored["layers"]["layers"]) == {n for n, _ in model.disc.named_parameters(prefix="disc")}
