@@ -10,6 +10,12 @@ bf16 cases cover. Overflows are forced by multiplying chosen batches' loss by 1e
 
 from __future__ import annotations
 
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import httpx
 import pytest
 
 pytest.importorskip("lightning")
@@ -145,10 +151,6 @@ def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
 
 
 def test_the_lightning_overhead_bench_runs_a_quick_round() -> None:
-    import subprocess
-    import sys
-    from pathlib import Path
-
     bench = Path(__file__).parents[2] / "bench" / "agent_overhead.py"
     result = subprocess.run(
         [sys.executable, str(bench), "--lightning", "--quick", "--sizes", "0.1M"],
@@ -299,3 +301,31 @@ def test_several_optimizers_record_the_first_ones_step(live_collector) -> None:
     assert_matches(stored, truth)
     assert stored["steps"]["lr_groups"] == model.lr_groups
     assert set(stored["layers"]["layers"]) == {n for n, _ in model.disc.named_parameters(prefix="disc")}
+
+
+def test_ddp_rank0_sends_the_steps_and_every_rank_its_layer_statistics(
+    live_collector, tmp_path
+) -> None:
+    """`strategy="ddp"` on 2 CPU processes (gloo), one run: rank 0's records are its own
+    ground truth step by step; rank 1 sends no step records, only its layer statistics,
+    which match what its own hook saw (DDP's all-reduced gradients)."""
+    script = Path(__file__).with_name("lightning_ddp_run.py")
+    subprocess.run([sys.executable, str(script), live_collector.url, str(tmp_path)],
+                   cwd=script.parent, capture_output=True, text=True, timeout=240, check=True)
+    truths = {}
+    for rank in (0, 1):
+        raw = json.loads((tmp_path / f"rank{rank}.json").read_text())
+        raw["zero_fraction"] = {int(k): v for k, v in raw["zero_fraction"].items()}
+        truths[rank] = Truth(**raw)
+    assert len(truths[0].lr) == len(truths[1].lr) == 30
+
+    stored = stored_run(live_collector.url, "lightning-ddp")  # one run for both ranks
+    assert stored["run"]["status"] == "ended"
+    assert_matches(stored, truths[0])
+    with httpx.Client(base_url=f"{live_collector.url}/api/v1/runs/{stored['run']['id']}") as api:
+        assert api.get("/steps", params={"rank": 1}).json()["step"] == []
+        layers = api.get("/layers", params={"stat": "zero_fraction", "rank": 1}).json()
+    assert layers["steps"] == sorted(truths[1].zero_fraction) == [1, 8, 15, 22, 29]
+    for step, row in zip(layers["steps"], layers["values"], strict=True):
+        expected = [truths[1].zero_fraction[step][name] for name in layers["layers"]]
+        assert row == pytest.approx(expected, abs=1e-12)
