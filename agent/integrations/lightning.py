@@ -18,7 +18,11 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
 - Gradient clipping (`gradient_clip_val`) calls `torch.nn.utils.clip_grad_norm_`, looked up
   at call time, so the agent stores the norm it returned, before clipping.
 - `trainer.global_step` counts optimizer steps, skipped ones included, as the agent does;
-  a resumed fit continues from it (`start_step`). Several optimizers need manual
+  a resumed fit continues from it (`start_step`). With a scaler, a `training_step` that
+  returns None makes the precision plugin skip `scaler.step` and `scaler.update()`, so
+  the scaler tap sees no step while `global_step` advances: the callback records that
+  step itself at `on_train_batch_end`, skipped, with the scale (unchanged) and the lr
+  `on_before_optimizer_step` saw, so the numbering stays Lightning's. Several optimizers need manual
   optimization in Lightning 2: the first optimizer's step (`configure_optimizers` order)
   is the training step, with the gradients present when it steps, `lr` its first group's
   (`lr_groups` every group of every optimizer), and as loss the first backward of each
@@ -69,6 +73,8 @@ class AmpwatchCallback(Callback):
         #: Several optimizers: only each batch's first backward loss is the step's.
         self._first_loss_only = False
         self._loss_taken = False
+        #: The lr `on_before_optimizer_step` saw (automatic optimization with a scaler).
+        self._lr: Any = None
         self._scaler: torch.amp.GradScaler | None = None
         self.handle: WatchHandle | None = None
 
@@ -111,6 +117,26 @@ class AmpwatchCallback(Callback):
             self.handle.log_loss(value * self._loss_factor if self._loss_factor != 1 else value)
         except Exception as exc:  # the agent never raises into the loop
             self.handle._on_error(exc)
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.handle is not None and self._scaler is not None:
+            self._lr = optimizer.param_groups[0].get("lr")  # before the scheduler steps
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        handle, scaler = self.handle, self._scaler
+        if handle is None or scaler is None or not pl_module.automatic_optimization:
+            return
+        try:
+            if trainer.global_step > handle.step:  # the plugin skipped scaler.update()
+                scale = scaler._get_scale_async()
+                handle.record(step=trainer.global_step, skipped=True, loss_scale=scale, lr=self._lr)
+        except Exception as exc:  # the agent never raises into the loop
+            handle._on_error(exc)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._detach("finished")

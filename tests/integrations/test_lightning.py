@@ -329,3 +329,48 @@ def test_ddp_rank0_sends_the_steps_and_every_rank_its_layer_statistics(
     for step, row in zip(layers["steps"], layers["values"], strict=True):
         expected = [truths[1].zero_fraction[step][name] for name in layers["layers"]]
         assert row == pytest.approx(expected, abs=1e-12)
+
+
+class SometimesNone(TinyNet):
+    """`training_step` returns None on chosen batches: Lightning then runs no backward and,
+    with a scaler, neither `scaler.step` nor `scaler.update()`, yet `global_step` moves."""
+
+    none_batches = frozenset({10, 11, 30})
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor | None:
+        loss = super().training_step(batch, index)
+        if index in self.none_batches:
+            self.micro_losses.pop()
+            return None
+        return loss
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        returned_none = not self.micro_losses
+        self.micro_losses = self.micro_losses or [0.0]
+        super().on_before_optimizer_step(optimizer)
+        if returned_none:  # nothing measured: no loss, no gradients
+            self.truth.loss[-1] = self.truth.grad_norm[-1] = None
+
+
+def test_a_step_returning_none_keeps_lightnings_numbering(live_collector) -> None:
+    """FP16 with a scaler: the batches whose `training_step` returned None are recorded at
+    Lightning's own step number, skipped, with the scale and lr in effect; every later step
+    keeps Lightning's numbering (the scaler tap alone would have fallen behind by 3)."""
+    torch.manual_seed(0)
+    steps = 40
+    truth = Truth()
+    model = SometimesNone(fused=False, spike_batches={3}, truth=truth)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=20)
+    callback = AmpwatchCallback(
+        run="returns-none", url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
+    )
+    _trainer(callback, steps, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+             enable_checkpointing=False).fit(model, _loader(steps))
+    final = int(model.trainer.optimizers[0].state[model.head.weight]["step"])
+    counters = [*model.counters[1:], final]
+    truth.skipped = [after == before for before, after in zip(model.counters, counters)]
+    assert model.trainer.global_step == steps == len(truth.skipped)
+    assert [i for i, s in enumerate(truth.skipped) if s] == [3, 10, 11, 30]  # overflow, Nones
+
+    stored = stored_run(live_collector.url, "returns-none")
+    assert_matches(stored, truth)
