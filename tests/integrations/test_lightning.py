@@ -1,7 +1,7 @@
 """Lightning 2.6 on the CPU against a live collector, compared step by step with
 Lightning's own ground truth: its optimizer's step counter (it does not move on a skip),
 its scaler's scale, the lr and gradients its `on_before_optimizer_step` sees (after
-unscale_, before clipping), and what `training_step` returned.
+unscale_, before clipping), the gradients its clip left, and what `training_step` returned.
 
 FP16 runs use a `MixedPrecision("16-mixed", "cpu", scaler=GradScaler("cpu"))` plugin:
 `Trainer(precision="16-mixed")` on the CPU turns into bf16 without a scaler, which the
@@ -83,6 +83,12 @@ class TinyNet(LightningModule):
         state = optimizer.state.get(self.head.weight, {})
         self.counters.append(int(state["step"]) if "step" in state else 0)
 
+    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
+        if gradient_clip_val:  # the norm of what Lightning's clip left
+            grads = [p.grad for p in self.parameters() if p.grad is not None]
+            self.truth.grad_norm_clipped.append(torch.nn.utils.get_total_norm(grads).item())
+
     def configure_optimizers(self) -> dict:
         optimizer = torch.optim.AdamW(self.parameters(), lr=1e-3, fused=self.fused)
         schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.01 * s))
@@ -144,7 +150,10 @@ def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
 
     stored = stored_run(live_collector.url, case)
     assert stored["run"]["status"] == "ended"
-    assert_matches(stored, truth)
+    assert len(truth.grad_norm_clipped) == (steps if clip else 0)
+    assert_matches(stored, truth)  # with the post-clip norm where the loop clipped
+    if not clip:
+        assert stored["steps"]["grad_norm_clipped"] == [None] * steps
     findings = {e["data"]["code"] for e in stored["events"] if e["kind"] == "finding"}
     # Lightning enters autocast around training_step, which calls submodules only.
     assert ("bf16_in_use" in findings) == (precision == "bf16")
