@@ -30,7 +30,11 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[all,test]"
+	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers]"
+	@# DeepSpeed builds against the torch above (no ops compiled: DS_BUILD_OPS=0); its range
+	@# is the `deepspeed` extra's.
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$$($(BIN)/python -c \
+		"import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['deepspeed'][1])")"
 	@# plotly.js's cartesian bundle (npm registry): the dashboard loads ~1 s faster with it,
 	@# and serves the full bundle without it.
 	-$(BIN)/ampwatch fetch-plotly

@@ -90,11 +90,17 @@ class ActivationNorm:
 
 
 class PrecisionProbe:
-    """Looks once, at the first graph-building forward, at what the parameters cannot show:
-    the autocast dtype in effect (`torch.get_autocast_dtype`), and Transformer Engine modules
-    running FP8 (their `fp8` flag, set inside their forward when `te.autocast` enables it;
-    read after the forward, so a root forward hook sees it). Reports (code, detail) pairs,
-    then removes itself."""
+    """Looks once, during the first graph-building forward, at what the parameters cannot
+    show: the autocast dtype in effect (`torch.get_autocast_dtype`), and Transformer Engine
+    modules running FP8 (their `fp8` flag, set inside their forward when `te.autocast`
+    enables it, so read after a forward). Reports (code, detail) pairs, then removes itself.
+
+    The autocast check runs in a forward pre-hook of every leaf module as well as in the
+    root's forward hook: HF models and accelerate enter autocast inside `model.forward`
+    (it has exited by the time the root's hook runs), and Lightning's `training_step` may
+    call a submodule, so the root's forward never runs at all. The hooks go at the end of
+    the first root forward, or at the first optimizer step (`finish()`), whichever is first.
+    """
 
     def __init__(
         self,
@@ -105,26 +111,54 @@ class PrecisionProbe:
         self._device_type = device_type
         self._report = report
         self._on_error = on_error
-        self._handle: RemovableHandle | None = None
+        self._handles: list[RemovableHandle] = []
+        self._model: nn.Module | None = None
+        self._autocast_seen = False
 
-    def attach(self, model: nn.Module) -> RemovableHandle:
-        self._handle = model.register_forward_hook(self._hook)
-        return self._handle
+    def attach(self, model: nn.Module) -> None:
+        self._model = model
+        self._handles.append(model.register_forward_hook(self._root_hook))
+        for module in model.modules():
+            if module is not model and next(module.children(), None) is None:
+                self._handles.append(module.register_forward_pre_hook(self._leaf_hook))
 
-    def _hook(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not torch.is_grad_enabled():
+    def finish(self) -> None:
+        """Report FP8 modules that ran and remove every hook (idempotent)."""
+        if not self._handles:
             return
+        for handle in self._handles:
+            handle.remove()
+        self._handles.clear()
         try:
-            if self._handle is not None:
-                self._handle.remove()
-            if torch.is_autocast_enabled(self._device_type):
-                dtype = torch.get_autocast_dtype(self._device_type)
-                self._report("autocast", {"device_type": self._device_type, "dtype": dtype})
-            fp8 = [name for name, m in model.named_modules() if getattr(m, "fp8", False) is True]
+            assert self._model is not None
+            fp8 = [n for n, m in self._model.named_modules() if getattr(m, "fp8", False) is True]
             if fp8:
                 self._report("fp8_modules", {"modules": fp8})
         except Exception as exc:
             self._on_error(exc)
+
+    def _check_autocast(self) -> None:
+        if not self._autocast_seen and torch.is_autocast_enabled(self._device_type):
+            self._autocast_seen = True
+            dtype = torch.get_autocast_dtype(self._device_type)
+            self._report("autocast", {"device_type": self._device_type, "dtype": dtype})
+
+    def _leaf_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if not torch.is_grad_enabled():
+            return
+        try:
+            self._check_autocast()
+        except Exception as exc:
+            self._on_error(exc)
+
+    def _root_hook(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
+        if not torch.is_grad_enabled():
+            return
+        try:
+            self._check_autocast()
+        except Exception as exc:
+            self._on_error(exc)
+        self.finish()
 
 
 #: The label of the model itself when it is its own only leaf (its module path is "").

@@ -7,19 +7,27 @@ they are, tensors are stacked and copied to the host without a sync, like the au
 path's. `record()` never raises; a bad value is logged once and counted as a hook error.
 `step` defaults to the previous step + 1; pass a Python int, not a tensor.
 
-Per framework (attribute names from `shared/reference/loss-scalers.md`, read from each
-project's source at the commits cited there; none of these loops was run here):
+Per framework (attribute names from `shared/reference/loss-scalers.md`; the DeepSpeed one
+is run by tests/integrations/test_deepspeed.py, the others were read from each project's
+source at the commits cited there, not run here):
 
-DeepSpeed (`engine.optimizer.cur_scale` on the FP16 optimizers, `loss_scale` on ZeRO;
-`engine.skipped_steps` counts skips, `engine.was_step_applied()` says this one)::
+DeepSpeed: use `ampwatch.integrations.deepspeed.watch(engine)`, which does this and adds
+layer statistics. By hand, record once per accumulation boundary, reading the scale and lr
+in effect BEFORE `engine.step()` (it backs the scale off and steps the scheduler), and the
+skip after it (`engine.optimizer.loss_scale` exists on FP16_UnfusedOptimizer and ZeRO
+alike; `cur_scale` does not on the former)::
 
     handle = watch(engine.module)
     for batch in loader:
         loss = engine(batch)
         engine.backward(loss)
+        handle.log_loss(loss)              # undivided: the engine divides by the GAS
+        boundary = engine.is_gradient_accumulation_boundary()
+        scale, lr = engine.optimizer.loss_scale, engine.get_lr()[0]
         engine.step()
-        handle.record(loss=loss.detach(), loss_scale=engine.optimizer.loss_scale,
-                      skipped=not engine.was_step_applied(), lr=engine.get_lr()[0])
+        if boundary:
+            handle.record(loss_scale=scale, lr=lr, skipped=not engine.was_step_applied(),
+                          grad_norm=engine.get_global_grad_norm())
 
 fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer and skips;
 `trainer.get_loss_scale()`-style accessors vary by version: `trainer.optimizer.scaler
@@ -33,10 +41,15 @@ fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer a
     handle.record(loss=loss, loss_scale=trainer.optimizer.scaler.loss_scale, skipped=skipped)
 
 Megatron-LM (`optimizer.get_loss_scale()` returns a device tensor: pass it as is, no sync;
-`optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad))::
+`optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad); read the
+scale before `step()`, which updates it. Not run: megatron-core 0.16.1, the last release
+for Python 3.11, imports on the CPU, but `MegatronGradScaler.__init__` allocates its scale
+with `device='cuda'`)::
+
+    loss_scale = optimizer.get_loss_scale()
 
     update_successful, grad_norm, _ = optimizer.step()
-    handle.record(loss=loss, loss_scale=optimizer.get_loss_scale(),
+    handle.record(loss=loss, loss_scale=loss_scale,
                   skipped=not update_successful, grad_norm=grad_norm,
                   lr=optimizer.param_groups[0]["lr"])
 

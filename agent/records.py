@@ -74,6 +74,8 @@ def step_record(sample: StepSample) -> wire.StepRecord:
         "act_norm_max": wire.encode_float(values.get("act_norm_max")),
         "rank": sample.rank,
     }
+    if (clipped := values.get("grad_norm_clipped")) is not None:
+        record["grad_norm_clipped"] = wire.encode_float(clipped)
     if sample.lr_groups > 1:
         groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
         record["lr_groups"] = [wire.encode_float(v) for v in groups]

@@ -13,9 +13,8 @@ from typing import Any
 import torch
 
 from ampwatch.agent import wire
+from ampwatch.agent.patch import patch_method
 from ampwatch.agent.stats import RunningMean, power_of_two_exponent
-
-_MISSING = object()
 
 
 def scaler_config(scaler: torch.amp.GradScaler) -> dict[str, Any]:
@@ -89,21 +88,23 @@ class ScalerTap:
         #: Set once `update(new_scale)` sets a scale that may not be a power of two.
         self.scale_left_powers_of_two = False
         self._originals: dict[str, Any] = {}
-        self._saved: dict[str, Any] = {}
+        self._restores: list[Callable[[], None]] = []
 
     def attach(self) -> None:
         for name, wrapper in (("scale", self._scale), ("update", self._update)):
-            self._originals[name] = getattr(self._scaler, name)
-            self._saved[name] = self._scaler.__dict__.get(name, _MISSING)
-            setattr(self._scaler, name, wrapper)
+            self._restores.append(patch_method(self._scaler, name, self._keep(name, wrapper)))
+
+    def _keep(self, name: str, wrapper: Callable[..., Any]) -> Callable[[Any], Any]:
+        def make(original: Callable[..., Any]) -> Callable[..., Any]:
+            self._originals[name] = original
+            return wrapper
+
+        return make
 
     def detach(self) -> None:
-        for name, previous in self._saved.items():
-            if previous is _MISSING:
-                self._scaler.__dict__.pop(name, None)
-            else:
-                setattr(self._scaler, name, previous)
-        self._saved.clear()
+        for restore in reversed(self._restores):
+            restore()
+        self._restores.clear()
 
     def _scale(self, outputs: Any) -> Any:
         if isinstance(outputs, torch.Tensor):

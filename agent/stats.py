@@ -44,11 +44,18 @@ class RunningMean:
         self._sum = value if self._sum is None else self._sum + value
         self._count += 1
 
-    def take(self) -> torch.Tensor | None:
-        """Return the mean since the last take (None if nothing was added) and reset."""
+    @property
+    def count(self) -> int:
+        """Values added since the last take."""
+        return self._count
+
+    def take(self, *, summed: bool = False) -> torch.Tensor | None:
+        """Return the mean (the sum with `summed`) since the last take, None if nothing was
+        added, and reset. A sum is the step's loss when each micro-batch loss was already
+        divided by the number of micro-batches, as Lightning, HF and accelerate do."""
         if self._sum is None:
             return None
-        mean = self._sum if self._count == 1 else self._sum / self._count
+        mean = self._sum if self._count == 1 or summed else self._sum / self._count
         self._sum, self._count = None, 0
         return mean
 

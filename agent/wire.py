@@ -16,7 +16,8 @@ A batch, as JSON (`WIRE_VERSION` 1)::
         {"step": 1, "loss": 2.31, "loss_scale": 65536.0, "skipped": false,
          "grad_norm": null, "lr": 0.001, "act_norm_mean": 7.9, "act_norm_max": 11.2,
          "rank": 0,
-         "lr_groups": [0.001, 0.0001]}  # optional: only with more than one param group
+         "lr_groups": [0.001, 0.0001],  # optional: only with more than one param group
+         "grad_norm_clipped": 1.0}      # optional: only when the loop clipped (see below)
       ],
       "layer_stats": [                # sampled every N steps; arrays aligned with names
         {"step": 10, "rank": 0, "names": ["fc1.weight", "fc1.bias"],
@@ -150,6 +151,10 @@ FINDING_CODES: Final = (
 DROPPED_KINDS: Final = ("steps", "layer_stats", "events")
 
 #: Step-record float fields that may be null (not measured) or non-finite.
+#: `grad_norm` is the unscaled total L2 norm of the step's gradients; when the loop clipped
+#: them (`clip_grad_norm_`), the norm before clipping, what the clip returned, and
+#: `grad_norm_clipped` the norm after it (optional in a record: absent means not clipped
+#: or not known, as null does).
 STEP_FLOAT_FIELDS: Final = (
     "loss",
     "loss_scale",
@@ -157,6 +162,7 @@ STEP_FLOAT_FIELDS: Final = (
     "lr",
     "act_norm_mean",
     "act_norm_max",
+    "grad_norm_clipped",
 )
 
 #: A step record's optional `lr_groups`: the lr of every param group of every watched
@@ -200,6 +206,7 @@ class _StepRecordRequired(TypedDict):
 
 class StepRecord(_StepRecordRequired, total=False):
     lr_groups: list[WireFloat]
+    grad_norm_clipped: WireFloat | None
 
 
 class ExponentHistograms(TypedDict):

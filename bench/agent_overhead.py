@@ -16,6 +16,12 @@ in memory: this measures the agent, not the network.
     python bench/agent_overhead.py --threads 1   # full run, ~6 minutes on 2 loaded cores
     python bench/agent_overhead.py --quick       # smoke run: 1 round, few steps
     python bench/agent_overhead.py --device cuda # on a GPU (bar there: <= 1.01)
+    python bench/agent_overhead.py --lightning   # the Lightning callback vs the plain agent
+
+The loop clips in the canonical order (`unscale_`, `clip_grad_norm_(1.0)`, `step`), as
+most training loops do, and the agent stores the norm that clip returned instead of a
+second pass over every gradient; `--no-clip` measures a loop that does not clip (the
+agent then computes the norm itself).
 """
 
 from __future__ import annotations
@@ -29,7 +35,7 @@ from collections.abc import Callable
 import torch
 from torch import nn
 
-from ampwatch.agent import watch
+from ampwatch.agent import clipping, watch
 from ampwatch.agent.config import DEFAULT_LAYER_STATS_EVERY
 
 #: width, blocks, batch, sequence length. FP16 matmuls on a CPU are slow (no native FP16
@@ -67,6 +73,9 @@ def _model(width: int, blocks: int, vocab: int = 256) -> nn.Module:
 
 
 Loop = tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler, torch.Tensor]
+#: Whether `_train_step` clips (the canonical loop does; `--no-clip` turns it off).
+CLIP = {"on": True}
+CLIP_NORM = 1.0
 
 
 def _setup(size: str, device: str = "cpu") -> Loop:
@@ -86,6 +95,9 @@ def _train_step(loop: Loop, step: int) -> None:
         logits = model(batch[:, :-1]).float()
     loss = nn.functional.cross_entropy(logits.flatten(0, 1), batch[:, 1:].flatten())
     scaler.scale(loss).backward()
+    if CLIP["on"]:
+        scaler.unscale_(optimizer)
+        torch.nn.utils.clip_grad_norm_(model.parameters(), CLIP_NORM)  # looked up per call
     scaler.step(optimizer)
     scaler.update()
     optimizer.zero_grad(set_to_none=True)
@@ -127,7 +139,10 @@ def _quartiles(values: list[float]) -> tuple[float, float, float]:
 def _isolated(loop: Loop, calls: int) -> dict[str, float]:
     """Median seconds of the agent's per-step work alone, on real unscaled gradients: the
     scaler tap's `before_update` (scale, found-inf, grad norm, stacking, the host copy),
-    on a step without and with the sampled range statistics."""
+    on a step without and with the sampled range statistics. When the loop clips, each
+    call clips first (by a norm no gradient reaches, so they stay as they are) through the
+    agent's wrapper, and the clip alone, timed the same way, is subtracted: what remains
+    is the agent's (its wrapper, and the range statistics it takes before the clip)."""
     model, optimizer, scaler, tokens = loop
     handle = watch(model, optimizer, scaler, transport=lambda body, headers: 200)
     batch = tokens[0]
@@ -138,18 +153,28 @@ def _isolated(loop: Loop, calls: int) -> dict[str, float]:
     scaler.unscale_(optimizer)  # as scaler.step() would: unscaled grads, found-inf flags
     before_update: Callable[[], object] = handle._before_update
 
-    def median_time(step: int) -> float:
+    params = list(model.parameters())
+    unwrapped_clip = clipping._original  # the clip itself, without the agent's wrapper
+
+    def median_time(step: int | None) -> float:
         times = []
         for _ in range(calls):
-            handle._step = step
             started = time.perf_counter()
-            before_update()
+            if step is None:
+                unwrapped_clip(params, 1e30)
+            else:
+                handle._step = step
+                if CLIP["on"]:
+                    torch.nn.utils.clip_grad_norm_(params, 1e30)
+                before_update()
             if tokens.is_cuda:
                 torch.cuda.synchronize()
             times.append(time.perf_counter() - started)
         return statistics.median(times)
 
-    result = {"step": median_time(1), "sampled": median_time(0)}  # step 2 unsampled, 1 sampled
+    clip = median_time(None) if CLIP["on"] else 0.0
+    # step 2 unsampled, step 1 sampled
+    result = {"step": median_time(1) - clip, "sampled": median_time(0) - clip}
     handle.detach()
     optimizer.zero_grad(set_to_none=True)
     scaler.update()  # end the half-done iteration
@@ -164,6 +189,10 @@ def main() -> None:
     parser.add_argument("--sizes", nargs="+", default=list(SIZES), choices=list(SIZES))
     parser.add_argument("--quick", action="store_true", help="smoke run: 1 round, 3 steps")
     parser.add_argument("--device", default="cpu", help="cpu, or cuda (bar there: <= 1.01)")
+    parser.add_argument("--no-clip", action="store_true", help="a loop that does not clip")
+    parser.add_argument(
+        "--lightning", action="store_true", help="the Lightning callback vs the plain agent"
+    )
     parser.add_argument(
         "--threads",
         type=int,
@@ -175,12 +204,19 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     if args.quick:
         args.rounds, args.steps, args.calls = 1, 3, 3
+    CLIP["on"] = not args.no_clip
+    if args.lightning:
+        from lightning_overhead import lightning_variant
+
+        lightning_variant(args.sizes, args.rounds, args.steps, args.calls, random.Random(0))
+        return
 
     rng = random.Random(0)
     print(
         f"torch {torch.__version__} on {args.device}, {torch.get_num_threads()} threads, "
         f"N default = "
-        f"{DEFAULT_LAYER_STATS_EVERY}, {args.rounds} rounds x {args.steps} steps per mode"
+        f"{DEFAULT_LAYER_STATS_EVERY}, {args.rounds} rounds x {args.steps} steps per mode, "
+        f"the loop {'clips' if CLIP['on'] else 'does not clip'}"
     )
     for size in args.sizes:
         loop = _setup(size, args.device)

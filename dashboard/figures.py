@@ -367,15 +367,23 @@ def skip_rate_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
 
 
 def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None) -> go.Figure:
-    """Global gradient norm (unscaled), log axis; non-finite norms are gaps."""
+    """Global gradient norm (unscaled), log axis; non-finite norms are gaps. Where the loop
+    clipped, the norm before the clip is the main line and the one after it a second."""
     title = "Gradient norm"
     norms = plot_values(series.grad_norm, positive=True)
     if np.isnan(norms).all():
         return empty_figure(title, "No gradient norm reported for this run yet.")
-    line = {"type": "scatter", "x": plot_steps(series.step), "y": norms,
-            "name": "grad norm (unscaled)", "mode": "lines",
-            "line": {"color": "#2ca02c", "width": 1.5}, "hovertemplate": "%{y:.4g}"}
-    return _step_figure(title, [line], height=260, x_range=x_range,
+    steps = plot_steps(series.step)
+    traces = [{"type": "scatter", "x": steps, "y": norms,
+               "name": "grad norm (unscaled, before clipping)", "mode": "lines",
+               "line": {"color": "#2ca02c", "width": 1.5}, "hovertemplate": "%{y:.4g}"}]
+    clipped = plot_values(series.grad_norm_clipped, positive=True)
+    if not np.isnan(clipped).all():
+        traces.append({"type": "scatter", "x": steps, "y": clipped,
+                       "name": "after clipping", "mode": "lines",
+                       "line": {"color": "#98df8a", "width": 1, "dash": "dot"},
+                       "hovertemplate": "%{y:.4g}"})
+    return _step_figure(title, traces, height=260, x_range=x_range,
                         y_axis={"title": {"text": "global L2 norm"}, "type": "log"})
 
 

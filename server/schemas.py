@@ -161,6 +161,8 @@ class StepIn(_WireModel):
     lr: WireFloat | None = None
     act_norm_mean: WireFloat | None = None
     act_norm_max: WireFloat | None = None
+    #: The grad norm after the loop's clip (`grad_norm` is before it); absent if none.
+    grad_norm_clipped: WireFloat | None = None
     #: Every param group's lr (wire `MAX_LR_GROUPS`); absent with a single group.
     lr_groups: LrGroups | None = None
 
@@ -421,6 +423,8 @@ class StepSeries(BaseModel):
     lr: list[WireFloat | None]
     act_norm_mean: list[WireFloat | None]
     act_norm_max: list[WireFloat | None]
+    #: The grad norm after the loop's clip; null where it did not clip (or before 0009).
+    grad_norm_clipped: list[WireFloat | None]
     skipped_count: list[int]
     bucket_width: int = 1
     #: Per point: every param group's lr, or null for a step with one group and for every

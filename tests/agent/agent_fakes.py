@@ -51,7 +51,7 @@ class FakeCollector:
         ]
 
     def column(self, name: str) -> list[Any]:
-        values = [record[name] for record in self.steps()]
+        values = [record.get(name) for record in self.steps()]
         if name in wire.STEP_FLOAT_FIELDS:
             return [wire.decode_float(v) for v in values]
         return values

@@ -306,6 +306,16 @@ def test_grad_norm_is_log_with_gaps_for_non_finite(series: StepSeries) -> None:
     figure = figures.grad_norm_figure(series)
     assert figure.layout.yaxis.type == "log"
     assert values(figure.data[0].y) == [1.0, 0.9, None, 0.8, None, 0.7]
+    assert len(figure.data) == 1  # the loop did not clip: no second trace
+
+
+def test_grad_norm_after_clipping_is_a_second_trace(steps_json: dict[str, Any]) -> None:
+    series = StepSeries.from_json({**steps_json, "grad_norm_clipped": [
+        1.0, 0.9, "NaN", 0.8, None, 0.5]})
+    figure = figures.grad_norm_figure(series)
+    assert [trace.name for trace in figure.data] == [
+        "grad norm (unscaled, before clipping)", "after clipping"]
+    assert values(figure.data[1].y) == [1.0, 0.9, None, 0.8, None, 0.5]
 
 
 def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:

@@ -61,8 +61,9 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert series["lr"] == [1e-3] * 5
     assert set(series) == {
         "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
-        "act_norm_max", "skipped_count", "bucket_width", "lr_groups",
+        "act_norm_max", "grad_norm_clipped", "skipped_count", "bucket_width", "lr_groups",
     }  # fmt: skip
+    assert series["grad_norm_clipped"] == [None] * 5
     assert series["lr_groups"] == [None] * 5  # one param group: `lr` alone
     assert series["skipped_count"] == [0, 1, 1, 0, 0]
     assert series["bucket_width"] == 1
@@ -73,6 +74,31 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert run["last_loss_scale"] == 4096.0
     assert run["skipped_steps"] == 2
     assert run["status"] == "running"
+
+
+def test_clipped_grad_norm_round_trips_raw_and_downsampled(client: httpx.Client) -> None:
+    """The norm after the loop's clip is stored besides the one before it, NaN kept, and
+    a record without the field (an agent that did not clip) reads back as null."""
+    steps = [
+        step_record(i, grad_norm=10.0 * i, grad_norm_clipped=min(10.0 * i, 25.0))
+        for i in range(1, 201)
+    ]
+    steps[2]["grad_norm"], steps[2]["grad_norm_clipped"] = "Infinity", "NaN"
+    del steps[3]["grad_norm_clipped"]
+    ack = post(client, make_batch(0, steps=steps))
+    assert ack.status_code == 200, ack.text
+    path = f"/api/v1/runs/{ack.json()['run_id']}/steps"
+
+    raw = client.get(path).json()
+    assert raw["grad_norm"][:4] == [10.0, 20.0, "Infinity", 40.0]
+    assert raw["grad_norm_clipped"][:5] == [10.0, 20.0, "NaN", None, 25.0]
+    assert raw["grad_norm_clipped"][199] == 25.0
+
+    small = client.get(path, params={"max_points": 20}).json()  # from the rollups
+    assert small["bucket_width"] > 1
+    assert small["grad_norm_clipped"][0] == 10.0  # the first bucket's minimum
+    assert small["grad_norm_clipped"][1] == "NaN"  # its maximum: NaN sorts above
+    assert set(small["grad_norm_clipped"][2:]) == {25.0}
 
 
 def test_run_summary_carries_non_finite_last_loss_scale(client: httpx.Client) -> None:

@@ -1,0 +1,155 @@
+"""Lightning: `Trainer(callbacks=[AmpwatchCallback(run="gpt-small")])`.
+
+What Lightning does, and what the callback relies on (lightning 2.6, read from its source):
+
+- Automatic optimization calls `optimizer.step(closure=...)` and runs `training_step`,
+  `zero_grad` and backward inside the closure; without a scaler (`32-true`, `bf16-mixed`,
+  and `16-mixed` on the CPU, which Lightning turns into bf16) the agent's step pre-hook
+  wraps the closure and reads the gradients when it returns. With a GradScaler
+  (`16-mixed` on a GPU, or a `MixedPrecision` plugin given one) the precision plugin runs
+  the closure, `unscale_`, clipping, `scaler.step` and `scaler.update()`: the scaler tap
+  records the step, exactly as in a plain torch.amp loop.
+- With `accumulate_grad_batches=k` the non-final micro-batches call the closure directly
+  and the loss each backward sees is `training_step`'s loss / k; `on_before_backward` gets
+  that loss (multiplied by the scale, with a scaler), and the callback logs it, the scale
+  divided back out, times k: the stored loss is the mean of what
+  `training_step` returned over the step's micro-batches (k = 1 in manual optimization,
+  where Lightning divides nothing).
+- Gradient clipping (`gradient_clip_val`) calls `torch.nn.utils.clip_grad_norm_`, looked up
+  at call time, so the agent stores the norm it returned, before clipping.
+- `trainer.global_step` counts optimizer steps, skipped ones included, as the agent does;
+  a resumed fit continues from it (`start_step`). With a scaler, a `training_step` that
+  returns None makes the precision plugin skip `scaler.step` and `scaler.update()`, so
+  the scaler tap sees no step while `global_step` advances: the callback records that
+  step itself at `on_train_batch_end`, skipped, with the scale (unchanged) and the lr
+  `on_before_optimizer_step` saw, so the numbering stays Lightning's. Several optimizers need manual
+  optimization in Lightning 2: the first optimizer's step (`configure_optimizers` order)
+  is the training step, with the gradients present when it steps, `lr` its first group's
+  (`lr_groups` every group of every optimizer), and as loss the first backward of each
+  batch (a GAN's discriminator loss, for a discriminator stepped first): the later
+  backwards belong to the other optimizers' steps. Lightning's `global_step` counts every
+  optimizer's steps there (2 per batch for two), so a resumed multi-optimizer fit does
+  not continue the numbering exactly. With a scaler, Lightning's precision plugin calls
+  `scaler.update()` after each optimizer's step, so each is a record there.
+- DDP: every rank's callback attaches (the run id is rank 0's, broadcast once), rank 0
+  sends the step scalars, every rank its layer statistics.
+
+The run ends `finished` at `on_train_end`, `failed` (with the exception) at
+`on_exception`; `teardown` detaches whatever is still attached.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampwatch.agent import WatchHandle, watch
+
+try:
+    from lightning.pytorch import Callback, LightningModule, Trainer
+except ImportError:  # the standalone package has the same API
+    from pytorch_lightning import (  # type: ignore[assignment]
+        Callback,
+        LightningModule,
+        Trainer,
+    )
+
+__all__ = ["AmpwatchCallback"]
+
+
+class AmpwatchCallback(Callback):
+    """Watch a Lightning fit. Keyword arguments are `ampwatch.agent.watch()`'s.
+
+    >>> trainer = Trainer(callbacks=[AmpwatchCallback(run="gpt-small")])  # doctest: +SKIP
+    """
+
+    def __init__(self, **watch_kwargs: Any) -> None:
+        for owned in ("start_step", "loss_reduction", "scaler", "optimizer"):
+            if owned in watch_kwargs:
+                raise TypeError(f"AmpwatchCallback sets {owned} itself from the Trainer")
+        self._watch_kwargs = watch_kwargs
+        self._loss_factor = 1
+        #: Several optimizers: only each batch's first backward loss is the step's.
+        self._first_loss_only = False
+        self._loss_taken = False
+        #: The lr `on_before_optimizer_step` saw (automatic optimization with a scaler).
+        self._lr: Any = None
+        self._scaler: torch.amp.GradScaler | None = None
+        self.handle: WatchHandle | None = None
+
+    def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        if self.handle is not None:
+            return
+        scaler = getattr(trainer.precision_plugin, "scaler", None)
+        automatic = pl_module.automatic_optimization
+        self._loss_factor = trainer.accumulate_grad_batches if automatic else 1
+        self._first_loss_only = not automatic and len(trainer.optimizers) > 1
+        if not isinstance(scaler, torch.amp.GradScaler) or not scaler.is_enabled():
+            scaler = None
+        self._scaler = scaler
+        self.handle = watch(
+            pl_module,
+            list(trainer.optimizers),
+            scaler,
+            start_step=trainer.global_step,
+            **self._watch_kwargs,
+        )
+
+    def on_train_batch_start(
+        self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
+    ) -> None:
+        self._loss_taken = False
+
+    def on_before_backward(
+        self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
+    ) -> None:
+        if self.handle is None or (self._first_loss_only and self._loss_taken):
+            return
+        self._loss_taken = True
+        try:
+            value = loss.detach()
+            scale = None if self._scaler is None else self._scaler._get_scale_async()
+            if scale is not None:
+                # Lightning's MixedPrecision scales before this hook: divide the scale back
+                # out (a device tensor; a power of two divides exactly).
+                value = value.float() / scale
+            self.handle.log_loss(value * self._loss_factor if self._loss_factor != 1 else value)
+        except Exception as exc:  # the agent never raises into the loop
+            self.handle._on_error(exc)
+
+    def on_before_optimizer_step(
+        self, trainer: Trainer, pl_module: LightningModule, optimizer: torch.optim.Optimizer
+    ) -> None:
+        if self.handle is not None and self._scaler is not None:
+            self._lr = optimizer.param_groups[0].get("lr")  # before the scheduler steps
+
+    def on_train_batch_end(
+        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        batch_idx: int,
+    ) -> None:
+        handle, scaler = self.handle, self._scaler
+        if handle is None or scaler is None or not pl_module.automatic_optimization:
+            return
+        try:
+            if trainer.global_step > handle.step:  # the plugin skipped scaler.update()
+                scale = scaler._get_scale_async()
+                handle.record(step=trainer.global_step, skipped=True, loss_scale=scale, lr=self._lr)
+        except Exception as exc:  # the agent never raises into the loop
+            handle._on_error(exc)
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        self._detach("finished")
+
+    def on_exception(
+        self, trainer: Trainer, pl_module: LightningModule, exception: BaseException
+    ) -> None:
+        self._detach("failed", repr(exception))
+
+    def teardown(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        self._detach("finished")
+
+    def _detach(self, status: str, reason: str | None = None) -> None:
+        handle, self.handle = self.handle, None
+        if handle is not None:
+            handle.detach(status, reason)

@@ -1,0 +1,87 @@
+"""Hugging Face Trainer: `Trainer(..., callbacks=[AmpwatchCallback(run="gpt-small")])`.
+
+What the Trainer does, and what the callback relies on (transformers 5.x, read from its
+source): it builds an accelerate `Accelerator`, whose `AcceleratedOptimizer` holds the real
+optimizer (`.optimizer`) and, for FP16 on a GPU, the GradScaler (`.scaler`); the callback
+gets that optimizer in `on_train_begin` and `watch()` unwraps both. The Trainer clips with
+`accelerator.clip_grad_norm_` (`max_grad_norm`, default 1.0, or `inf` just to measure),
+which calls `torch.nn.utils.clip_grad_norm_`: the stored grad norm is the one it returned,
+before clipping, which is also what the Trainer logs as `grad_norm`. It steps the optimizer
+once per accumulation boundary, then the lr scheduler, so the lr read at the step is the
+one in effect.
+
+The loss: the Trainer logs, per optimizer step, the sum of what `training_step` returned
+for the step's micro-batches. A model that takes `num_items_in_batch` (GPT-2, Llama, ...)
+already returns its micro-batch's share of the step's loss (sum over its tokens / the
+step's tokens), and the Trainer divides nothing; otherwise the Trainer divides each
+micro-batch's mean loss by the accumulation steps. A forward hook on the model reads
+`outputs.loss` and, seeing whether `num_items_in_batch` was passed, the stored loss is the
+sum of shares or the mean of micro-batch losses: in both cases the Trainer's own number,
+unless a `compute_loss` override changes the loss after the model returns it (the hook
+sees the model's loss; such a Trainer can call `callback.handle.log_loss(loss)` itself).
+
+The Trainer has no exception callback: a run that raises ends as `exited` at interpreter
+exit (the agent's atexit handler), a finished one as `finished` at `on_train_end`.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+from transformers import TrainerCallback
+
+from ampwatch.agent import WatchHandle, watch
+
+__all__ = ["AmpwatchCallback"]
+
+
+class AmpwatchCallback(TrainerCallback):
+    """Watch a Hugging Face Trainer run. Keyword arguments are `ampwatch.agent.watch()`'s.
+
+    >>> trainer = Trainer(model, args, callbacks=[AmpwatchCallback(run="gpt")])  # doctest: +SKIP
+    """
+
+    def __init__(self, **watch_kwargs: Any) -> None:
+        for owned in ("start_step", "loss_reduction", "scaler", "optimizer"):
+            if owned in watch_kwargs:
+                raise TypeError(f"AmpwatchCallback sets {owned} itself from the Trainer")
+        self._watch_kwargs = watch_kwargs
+        self.handle: WatchHandle | None = None
+        self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
+
+    def on_train_begin(
+        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+        **kwargs: Any,
+    ) -> None:
+        if self.handle is not None or model is None:
+            return
+        handle = watch(model, optimizer, start_step=state.global_step, **self._watch_kwargs)
+        self.handle = handle
+        self._loss_hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
+
+    def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        handle, self.handle = self.handle, None
+        if self._loss_hook is not None:
+            self._loss_hook.remove()
+            self._loss_hook = None
+        if handle is not None:
+            handle.detach("finished")
+
+    def _on_forward(
+        self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any
+    ) -> None:
+        handle = self.handle
+        if handle is None or not torch.is_grad_enabled():
+            return  # evaluation runs under no_grad
+        try:
+            loss = getattr(output, "loss", None)
+            if loss is None and isinstance(output, dict):
+                loss = output.get("loss")
+            if isinstance(loss, torch.Tensor):
+                # A share of the step's loss (num_items_in_batch given) sums; a micro-batch's
+                # mean loss averages.
+                handle._summed = kwargs.get("num_items_in_batch") is not None  # type: ignore[attr-defined]
+                handle.log_loss(loss)
+        except Exception as exc:  # the agent never raises into the loop
+            handle._on_error(exc)
