@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo serve test setup browser prometheus
+.PHONY: demo serve test setup frameworks browser prometheus
 
 demo: setup
 	$(BIN)/ampwatch demo
@@ -14,10 +14,14 @@ demo: setup
 serve: setup
 	$(BIN)/ampwatch serve
 
-test: setup browser prometheus
+test: setup frameworks browser prometheus
 	$(BIN)/pytest
 
 setup: $(VENV)/.installed
+
+# The framework integrations' tests (tests/integrations) train under the real frameworks;
+# the demo does not need them.
+frameworks: $(VENV)/.frameworks
 
 # torch first, from an exact pin, so the range in pyproject.toml installs nothing more
 # (otherwise pip would fetch a several-GB CUDA build).
@@ -30,14 +34,20 @@ $(VENV)/.installed: pyproject.toml
 	fi
 	$(BIN)/python -m pip install -q --upgrade pip
 	@$(BIN)/python -c "import torch" 2>/dev/null || $(BIN)/python -m pip install -q "$(TORCH_SPEC)"
-	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers]"
-	@# DeepSpeed builds against the torch above (no ops compiled: DS_BUILD_OPS=0); its range
-	@# is the `deepspeed` extra's.
-	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$$($(BIN)/python -c \
-		"import tomllib; print(tomllib.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['deepspeed'][1])")"
+	$(BIN)/python -m pip install -q -e ".[all,test]"
 	@# plotly.js's cartesian bundle (npm registry): the dashboard loads ~1 s faster with it,
 	@# and serves the full bundle without it.
 	-$(BIN)/ampwatch fetch-plotly
+	@touch $@
+
+# Lightning, transformers + accelerate, DeepSpeed, next to the torch above. DeepSpeed is an
+# sdist that imports torch to build: no build isolation (else pip's build env fetches another
+# torch) and no ops compiled (DS_BUILD_OPS=0); its range is the `deepspeed` extra's.
+$(VENV)/.frameworks: $(VENV)/.installed
+	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers]"
+	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$$($(BIN)/python -c \
+		"import sys; t = __import__('tomllib' if sys.version_info >= (3, 11) else 'tomli'); \
+		print(t.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['deepspeed'][1])")"
 	@touch $@
 
 # The dashboard's browser tests drive Debian's chromium; without it (and without root to
