@@ -36,7 +36,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
-from ampwatch.server.alerts import rules
+from ampwatch.server.alerts import rules, spikes
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.models import AlertState, Run
@@ -171,6 +171,10 @@ class _StepState:
             falls=[],
             incident_skips=0,
             incident_skips_from=None,
+            process_steps=0,
+            cascade=False,
+            below_falling=False,
+            recent=spikes.RecentState().to_json(),
         )
 
     @property
@@ -243,8 +247,13 @@ def _evaluate_steps(
     spike: rules.ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
     stall: rules.ScaleFloorStall = settings["scale_floor_stall"]  # type: ignore[assignment]
     nan_loss: rules.NanLoss = settings["nan_loss"]  # type: ignore[assignment]
+    loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
+    norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
+    burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
     d = state.data
     d.setdefault("falls", [])
+    recent = spikes.RecentState.from_json(d.get("recent"))
+    width = spikes.window_width(settings)
     steps = _primary_steps(state, records)
     values = [_act_value(record, spike) for record in steps] if spike.enabled else []
     baselines = _act_baselines(d["act"], values, spike)
@@ -264,11 +273,18 @@ def _evaluate_steps(
         if d["first_step"] is None:
             d["first_step"] = s
 
-        # Warm-up calibration: from the first step until a run of clean steps (or a cap).
+        recent.observe(s, scale, skipped, width=width)
+        # Warm-up calibration: a cascade that starts with the process (one of its first
+        # calibration_start_steps skipped), until a run of clean steps (or a cap). A
+        # process whose first steps are clean has a calibrated (restored) scaler.
         if d["calibrating"]:
             d["clean_run"] = 0 if skipped else d["clean_run"] + 1
+            d["process_steps"] = d.get("process_steps", 0) + 1
+            d["cascade"] = bool(d.get("cascade")) or skipped
             if (d["clean_run"] >= collapse.calibration_clean_steps
-                    or s - d["first_step"] >= collapse.calibration_max_steps):  # fmt: skip
+                    or s - d["first_step"] >= collapse.calibration_max_steps
+                    or (not d["cascade"]
+                        and d["process_steps"] >= collapse.calibration_start_steps)):  # fmt: skip
                 d["calibrating"] = False
                 d["counted_from"] = s
                 d["changes"] = [[s, scale]] if scale is not None else []
@@ -296,10 +312,16 @@ def _evaluate_steps(
                 cut += 1
             if cut:
                 del changes[:cut]
-            if scale >= collapse.min_scale:
+            # Below min_scale (or skipping at it): a collapse while the scale still falls;
+            # once falling, it holds until the scale is back.
+            if scale > collapse.min_scale or (scale == collapse.min_scale and not skipped):
                 d["below_since"] = None
-            elif d["below_since"] is None:
-                d["below_since"] = s
+                d["below_falling"] = False
+            else:
+                if d["below_since"] is None:
+                    d["below_since"] = s
+                if not d.get("below_falling"):
+                    d["below_falling"] = spikes.still_falling(recent, s, scale, collapse)
         if skipped:
             if d["skip_run"] == 0:
                 d["skip_run_start"] = s
@@ -312,6 +334,14 @@ def _evaluate_steps(
             _loss_scale_collapse(tracker, d, s, scale, collapse)
         if skip_rate.enabled and not d["calibrating"]:
             _skip_rate(tracker, d, s, skipped, skip_rate)
+        if burst.enabled and not d["calibrating"]:
+            spikes.overflow_burst(tracker, recent, s, scale, burst)
+        if loss_rule.enabled:
+            spikes.loss_spike(tracker, recent, s, loss, not d["calibrating"], loss_rule)
+        if norm_rule.enabled:
+            grad_norm = _finite(record.grad_norm)
+            spikes.grad_norm_spike(tracker, recent, s, grad_norm, skipped,
+                                   not d["calibrating"], norm_rule)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
                 d["nan_since"] = d["nan_since"] if d["nan_since"] is not None else s
@@ -330,6 +360,7 @@ def _evaluate_steps(
 
     if new_act:
         d["act"] = (d["act"] + new_act)[-spike.baseline_steps :]
+    d["recent"] = recent.to_json()
 
 
 def _loss_scale_collapse(
@@ -338,10 +369,11 @@ def _loss_scale_collapse(
     parts: list[str] = []
     values: dict[str, Any] = {"step": s, "loss_scale": scale}
     onsets: list[int] = []
-    if d["below_since"] is not None and scale is not None:
+    if d["below_since"] is not None and scale is not None and d.get("below_falling", True):
         onsets.append(d["below_since"])
-        parts.append(f"loss scale {_fmt(scale)} is below min_scale {_fmt(rule.min_scale)} "
-                     f"since step {d['below_since']}")  # fmt: skip
+        where = "is below" if scale < rule.min_scale else "is skipping at"
+        parts.append(f"loss scale {_fmt(scale)} {where} min_scale {_fmt(rule.min_scale)} "
+                     f"since step {d['below_since']}, falling")  # fmt: skip
         values.update(min_scale=rule.min_scale, below_since_step=d["below_since"])
     if not d["calibrating"]:
         changes = d["changes"]
@@ -413,7 +445,8 @@ def _scale_floor_stall(
         d.update(stall_run=0, stall_start=None, stall_scale=None)
     if not rule.enabled:
         return
-    if d["stall_run"] >= rule.window_steps:
+    floored = d["stall_run"] >= rule.floor_skips and d["stall_scale"] <= rule.floor_max_scale
+    if d["stall_run"] >= rule.window_steps or floored:
         run, start, floor = d["stall_run"], d["stall_start"], d["stall_scale"]
         tracker.holds(
             "scale_floor_stall",

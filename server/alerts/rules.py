@@ -44,8 +44,9 @@ class LossScaleCollapse(RuleSettings):
     min_scale: float = Field(
         default=1.0,
         ge=0,
-        description="Fire when the loss scale falls below this (DeepSpeed and Megatron floor "
-        "at 1; OPT-175B restarted from checkpoints whose scale was still >= 1).",
+        description="Fire when the loss scale falls below this, or skips at it, while it is "
+        "still falling (trend_steps) (DeepSpeed and Megatron floor at 1; OPT-175B restarted "
+        "from checkpoints whose scale was still >= 1).",
     )
     fall_octaves: int = Field(
         default=8,
@@ -75,6 +76,37 @@ class LossScaleCollapse(RuleSettings):
         ge=0,
         description="...or this many steps after the run's (or a resumed process's) first "
         "step, whichever comes first: a cascade that never settles is not calibration.",
+    )
+    calibration_start_steps: int = Field(
+        default=2,
+        ge=0,
+        description="A process calibrates only when one of its first this-many steps is "
+        "skipped: a fresh scaler that starts too high overflows on its first backward (a "
+        "hysteresis of 2 on its second), while one restored from a checkpoint starts "
+        "calibrated, so a cascade after clean steps (BigScience tr8b-104B: resumed, 2 clean "
+        "steps, then 6 of 7 skipped, then NaN) is an incident.",
+    )
+    trend_steps: int = Field(
+        default=50,
+        ge=1,
+        le=100_000,
+        description="A scale below min_scale fires only while it is falling: within this "
+        "many steps it fell by 2^trend_octaves or trend_skips steps were skipped. A stable "
+        "low scale (a fairseq run sitting at 0.5 for thousands of steps, one overflow per "
+        "epoch) is a healthy scaler, not a collapse; once fired, it holds while below.",
+    )
+    trend_octaves: int = Field(
+        default=2,
+        ge=1,
+        le=128,
+        description="Halvings within trend_steps that make a low scale a falling one (one "
+        "halving is any single overflow's).",
+    )
+    trend_skips: int = Field(
+        default=2,
+        ge=1,
+        description="...or this many skipped steps within trend_steps at or below min_scale "
+        "(fairseq: overflows at 0.001 and 0.0005 before 'Minimum loss scale reached').",
     )
 
 
@@ -225,6 +257,103 @@ class ScaleFloorStall(RuleSettings):
         "a scaler that halves on overflow would have fallen 2^50, so the scale sits at a "
         "floor (DeepSpeed/Megatron 1, OPT-175B run12 0.25) and training has stopped.",
     )
+    floor_skips: int = Field(
+        default=3,
+        ge=2,
+        description="...or at once, after this many steps in a row skipped at one unchanged "
+        "scale of at most floor_max_scale: the scaler's own behaviour says it is floored "
+        "(DeepSpeed 'Attempted loss scale: 1, reducing to 1'); a hysteresis skip leaves the "
+        "scale unchanged only once.",
+    )
+    floor_max_scale: float = Field(
+        default=1.0,
+        ge=0,
+        description="Largest scale treated as a floor by floor_skips (DeepSpeed and Megatron "
+        "floor at 1; a scaler's configured floor above it is reached after window_steps).",
+    )
+
+
+class LossSpike(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    baseline_samples: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description="Baseline: the median of this many recent finite losses (logged values: "
+        "one per step, or one per log interval). The median ignores a few earlier spikes.",
+    )
+    min_baseline_samples: int = Field(
+        default=1,
+        ge=1,
+        description="Judge once this many losses are in the baseline: logs often show a "
+        "value per 10 steps, and a jump of min_ratio and min_increase over the last one is "
+        "already rare in healthy training (BigScience tr8-104B: 6.44 -> 11.42 in 10 steps).",
+    )
+    min_ratio: float = Field(
+        default=1.3,
+        gt=1,
+        description="Fire when the loss is at least this many times its baseline median...",
+    )
+    min_increase: float = Field(
+        default=1.0,
+        ge=0,
+        description="...and at least this much above it (loss units: 1 nat of cross-entropy "
+        "is a large jump; a fine-tuning loss of 0.05 doubling is noise). 0 for other losses.",
+    )
+    z_threshold: float = Field(
+        default=6.0,
+        gt=0,
+        description="...and, once z_min_samples are in the baseline, a robust z-score (x - "
+        "median) / (1.4826 MAD) of at least this (OLMo-core flags 6 sigma).",
+    )
+    z_min_samples: int = Field(
+        default=16, ge=2, description="Baseline size from which the z-score is required."
+    )
+
+
+class GradNormSpike(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    baseline_samples: int = Field(
+        default=32, ge=1, le=4096,
+        description="Baseline: the median of this many recent finite grad norms of applied "
+        "(not skipped) steps.",
+    )  # fmt: skip
+    min_baseline_samples: int = Field(
+        default=1, ge=1, description="Judge once this many norms are in the baseline."
+    )
+    min_ratio: float = Field(
+        default=10.0,
+        gt=1,
+        description="Fire when the grad norm is at least this many times its baseline median: "
+        "healthy norms wander by a few x (BigScience tr8-104B: 9e4 to 3e5); the spikes "
+        "before loss spikes are 10-100x (tr11-176B: 0.24 -> 15.9 two steps before the "
+        "loss spiked, tr8-104B: 2e5 -> 3.3e6).",
+    )
+    z_threshold: float = Field(
+        default=6.0, gt=0,
+        description="...and, once z_min_samples are in the baseline, a robust z of this.",
+    )  # fmt: skip
+    z_min_samples: int = Field(
+        default=16, ge=2, description="Baseline size from which the z-score is required."
+    )
+
+
+class OverflowBurst(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    min_skips: int = Field(
+        default=3,
+        ge=2,
+        description="Fire when this many steps were skipped within window_steps after "
+        "calibration, whatever the scale: a healthy scaler skips one step per overflow (two "
+        "with DeepSpeed's hysteresis of 2), so a third within a few steps is a storm "
+        "(tr8b-104B: 6 of 7 at 2^20 -> 2^15, then NaN; a floored scaler never falls below 1).",
+    )
+    window_steps: int = Field(
+        default=8, ge=2, le=10_000, description="Window of the burst, in steps."
+    )
 
 
 class NoData(RuleSettings):
@@ -251,7 +380,7 @@ RuleScope = Literal["run", "layer"]
 RuleName = Literal[
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
     "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
-    "clip_before_unscale",
+    "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst",
 ]  # fmt: skip
 
 
@@ -269,9 +398,9 @@ RULES: dict[str, Rule] = {
     for rule in (
         Rule(
             "loss_scale_collapse", "critical", "run", LossScaleCollapse,
-            "The dynamic loss scale fell below min_scale, fell by 2^fall_octaves within "
-            "window_steps without recovering, or max_consecutive_skips steps in a row were "
-            "skipped (warm-up calibration excepted).",
+            "The dynamic loss scale fell below min_scale (or skips at it) while still "
+            "falling, fell by 2^fall_octaves within window_steps without recovering, or "
+            "max_consecutive_skips steps in a row were skipped (warm-up calibration excepted).",
         ),
         Rule(
             "skip_rate", "warning", "run", SkipRate,
@@ -319,6 +448,23 @@ RULES: dict[str, Rule] = {
             "clip_before_unscale", "warning", "run", Finding,
             "Gradients were clipped while still multiplied by the loss scale (clip before "
             "scaler.unscale_): the clip threshold is wrong by the scale factor.",
+        ),
+        Rule(
+            "loss_spike", "warning", "run", LossSpike,
+            "The loss jumped far above its own rolling median (min_ratio and min_increase, "
+            "and a robust z once the baseline is long), at any loss scale: divergences show "
+            "in the loss before, or without, any change of the scale. Warm-up calibration "
+            "excepted.",
+        ),
+        Rule(
+            "grad_norm_spike", "warning", "run", GradNormSpike,
+            "The global gradient norm of an applied step is min_ratio times its own rolling "
+            "median or more: the spike that comes before a loss spike.",
+        ),
+        Rule(
+            "overflow_burst", "critical", "run", OverflowBurst,
+            "min_skips steps skipped within window_steps after warm-up calibration, at any "
+            "scale: an overflow storm (a resumed process's included).",
         ),
     )
 }  # fmt: skip

@@ -1,0 +1,353 @@
+"""The real-log corpus (`tests/data/real_logs/`): excerpts of public training logs, parsed
+into step series, and the peers' published detectors computed on the same series.
+
+Shared by `test_real_logs.py` and `bench/detection.py` (imported by file name). Each
+excerpt keeps its provenance in its `#` header; `labels.json` says only what the source
+says happened (an incident with the latest step a monitor may fire, a healthy run, or a
+transient that the source says recovered) and marks every inference as one.
+
+The parsers are deliberately small (a separate issue builds the user-facing
+`ampwatch import`); what each one infers is said in its docstring:
+
+- ``megatron``: Megatron-LM / Megatron-DeepSpeed ``iteration N/ M | ... lm loss: ... |
+  loss scale: ... | grad norm: ...`` lines, and DeepSpeed's ``OVERFLOW! ... Attempted loss
+  scale: A, reducing to B`` lines printed during the next iteration (Megatron-DeepSpeed logs
+  "number of skipped iterations: 0" while DeepSpeed owns the scaler and skips).
+- ``deepspeed``: bare DeepSpeed OVERFLOW lines, one skipped step each, numbered from 1.
+- ``deepspeed-tqdm``: the HF Trainer's progress counter (``N/TOTAL [``) with DeepSpeed's
+  OVERFLOW lines and the Trainer's ``{'loss': ...}`` logs.
+- ``fairseq``: ``num_updates`` lines (train / train_inner / epoch summaries) and
+  ``overflow detected, setting loss scale to: X`` lines; checkpoints from ``saved
+  checkpoint ... (epoch E @ N updates``.
+- ``apex``: ``Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to X``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import statistics
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+CORPUS = Path(__file__).resolve().parents[1] / "data" / "real_logs"
+
+
+@dataclass
+class Step:
+    """One optimizer step (or attempt) as a log shows it; None = the log does not say."""
+
+    step: int
+    loss: float | None = None
+    loss_scale: float | None = None
+    skipped: bool = False
+    grad_norm: float | None = None
+
+
+@dataclass
+class Excerpt:
+    name: str
+    format: str
+    source: str
+    steps: list[Step]
+    checkpoints: list[tuple[int, str]] = field(default_factory=list)
+
+
+@dataclass(frozen=True)
+class Label:
+    """What the source says happened. `kind`: incident (a monitor must alert by
+    `deadline_step`), healthy (nothing may page: no critical, warnings counted), transient
+    (the source says the run recovered by itself: warnings allowed, no critical), or
+    unlabeled (replayed and shown, judged by nothing)."""
+
+    kind: str
+    deadline_step: int | None
+    says: str
+    inference: str
+    expect: tuple[str, ...] = ()
+
+
+_NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
+_OVERFLOW = re.compile(
+    r"OVERFLOW! Rank 0 Skipping step\. Attempted loss scale: " + _NUMBER
+    + r"(?:, reducing to " + _NUMBER + r"|, but hysteresis)"
+)
+
+
+def _field(line: str, name: str, sep: str = ":") -> float | None:
+    match = re.search(re.escape(name) + r"\s*" + re.escape(sep) + r"\s*" + _NUMBER, line)
+    return float(match.group(1)) if match else None
+
+
+def _megatron(lines: list[str]) -> list[Step]:
+    """Iteration lines; an OVERFLOW line marks the next iteration skipped, at the scale it
+    attempted. Inferences: on a skipped iteration the logged grad norm repeats the last
+    applied one (it is dropped); "grad norm: 0.000" (older Megatron-DeepSpeed without the
+    norm) is not measured; a missing "lm loss" (Megatron prints only a positive average,
+    so NaN or no applied iteration) is not measured; "number of skipped iterations: N" > 0
+    on a line covering a log interval marks that line's step skipped."""
+    steps: list[Step] = []
+    attempted: float | None = None
+    for line in lines:
+        if (match := _OVERFLOW.search(line)) is not None:
+            attempted = float(match.group(1))
+            continue
+        it = re.search(r"iteration\s+(\d+)/", line)
+        if it is None or "lm loss value" in line:
+            continue
+        skips = _field(line, "number of skipped iterations") or 0.0
+        norm = _field(line, "grad norm")
+        step = Step(int(it.group(1)), loss=_field(line, "lm loss"),
+                    loss_scale=_field(line, "loss scale"), skipped=skips > 0,
+                    grad_norm=norm if norm else None)  # fmt: skip
+        if attempted is not None:
+            step.skipped, step.loss_scale, step.grad_norm = True, attempted, None
+            attempted = None
+        steps.append(step)
+    return steps
+
+
+def _deepspeed(lines: list[str]) -> list[Step]:
+    """Inference: each OVERFLOW line is one skipped step, and the lines are consecutive
+    steps from 1 (the excerpts are a run's first lines; no step numbers are logged)."""
+    out = []
+    for line in lines:
+        if (match := _OVERFLOW.search(line)) is not None:
+            out.append(Step(len(out) + 1, loss_scale=float(match.group(1)), skipped=True))
+    return out
+
+
+def _deepspeed_tqdm(lines: list[str]) -> list[Step]:
+    """The progress counter N is printed after step N: an OVERFLOW line printed after
+    counter N (or before the first counter) belongs to step N + 1 (or to that counter).
+    A step's loss scale is the one it attempted, else the last one DeepSpeed reduced to;
+    before the first OVERFLOW line the log does not say (None). The Trainer's
+    ``{'loss': x}`` (an average since its last log) goes to the last counted step."""
+    by_step: dict[int, Step] = {}
+    last: int | None = None
+    scale: float | None = None
+    pending: float | None = None  # attempted scale of an OVERFLOW before the first counter
+    for line in lines:
+        if line.startswith("#"):
+            continue
+        for token in re.finditer(r"(\d+)/\d+ \[|" + _OVERFLOW.pattern + r"|\{'loss': " + _NUMBER,
+                                 line):  # fmt: skip
+            text = token.group(0)
+            if text.endswith("["):
+                n = int(token.group(1))
+                if n not in by_step:
+                    by_step[n] = Step(n, loss_scale=scale)
+                if pending is not None:
+                    by_step[n].skipped, by_step[n].loss_scale = True, pending
+                    pending = None
+                last = n
+            elif text.startswith("{'loss'"):
+                if last is not None:
+                    by_step[last].loss = float(token.group(token.lastindex or 0))
+            else:
+                match = _OVERFLOW.search(text)
+                assert match is not None
+                attempted = float(match.group(1))
+                reduced = match.group(2)
+                scale = float(reduced) if reduced is not None else attempted
+                if last is None:
+                    pending = attempted
+                else:
+                    by_step[last + 1] = Step(last + 1, loss_scale=attempted, skipped=True)
+    if pending is not None:
+        by_step[1] = Step(1, loss_scale=pending, skipped=True)
+    return [by_step[n] for n in sorted(by_step)]
+
+
+def _fairseq(lines: list[str], checkpoints: list[tuple[int, str]]) -> list[Step]:
+    """fairseq does not count an overflowed update in num_updates, so a step here is an
+    attempt: num_updates plus the overflows logged so far (inference: each overflow line is
+    the attempt after the last one logged). An overflow line before any numbered line has
+    no place and is dropped. loss_scale is printed to 3 decimals: a printed 0 is a value
+    rounded away (not measured); otherwise the exact value of the last overflow line is
+    used where it rounds to the printed one. An overflow attempt ran at twice the scale it
+    set (fairseq's scale factor 2)."""
+    steps: list[Step] = []
+    skips = 0
+    exact: float | None = None
+    for line in lines:
+        match = re.search(r"overflow detected, setting loss scale to: " + _NUMBER, line)
+        if match is not None:
+            new = float(match.group(1))
+            exact = new
+            if steps:
+                skips += 1
+                steps.append(Step(steps[-1].step + 1, loss_scale=2 * new, skipped=True))
+            continue
+        saved = re.search(r"saved checkpoint (\S+) \(epoch \d+ @ (\d+) updates", line)
+        if saved is not None:
+            checkpoints.append((int(saved.group(2)) + skips, saved.group(1)))
+            continue
+        if "valid on" in line:
+            continue
+        updates = _field(line, "num_updates", "=") or _field(line, "num_updates", "")
+        if updates is None:
+            continue
+        printed = _field(line, "loss_scale", "=")
+        if printed is None:
+            printed = _field(line, "loss_scale", "")
+        scale: float | None = printed
+        if printed is not None and exact is not None and abs(round(exact, 3) - printed) < 1e-9:
+            scale = exact
+        if printed == 0:
+            scale = None
+        loss = _field(line, "loss", "=")
+        if loss is None:
+            loss = _field(line, "| loss", "")
+        norm = _field(line, "gnorm", "=") or _field(line, "gnorm", "")
+        step = int(updates) + skips
+        if steps and step <= steps[-1].step:
+            continue  # an epoch summary repeating the last train_inner step
+        steps.append(Step(step, loss=loss, loss_scale=scale, grad_norm=norm))
+    return steps
+
+
+def _apex(lines: list[str]) -> list[Step]:
+    """Inference: consecutive steps from 1 (apex logs no step), each attempted at twice
+    the scale it reduced to (apex's backoff factor 2)."""
+    out = []
+    for line in lines:
+        match = re.search(r"reducing loss scale to " + _NUMBER, line)
+        if match is not None:
+            out.append(Step(len(out) + 1, loss_scale=2 * float(match.group(1)), skipped=True))
+    return out
+
+
+def load_excerpt(path: Path) -> Excerpt:
+    text = path.read_text(encoding="utf-8").splitlines()
+    header = {m.group(1): m.group(2) for line in text
+              if (m := re.match(r"# (\w+): (.*)", line))}  # fmt: skip
+    fmt = header["format"]
+    lines = [line for line in text if not line.startswith("# ")]
+    checkpoints: list[tuple[int, str]] = []
+    parse: dict[str, Callable[[list[str]], list[Step]]] = {
+        "megatron": _megatron,
+        "deepspeed": _deepspeed,
+        "deepspeed-tqdm": _deepspeed_tqdm,
+        "apex": _apex,
+        "fairseq": lambda ls: _fairseq(ls, checkpoints),
+    }
+    steps = parse[fmt](lines)
+    return Excerpt(path.stem, fmt, header["source"], steps, checkpoints)
+
+
+def labels() -> dict[str, Label]:
+    data = json.loads((CORPUS / "labels.json").read_text(encoding="utf-8"))
+    return {name: Label(kind=entry["kind"], deadline_step=entry.get("deadline_step"),
+                        says=entry["says"], inference=entry.get("inference", ""),
+                        expect=tuple(entry.get("expect", ())))
+            for name, entry in data["runs"].items()}  # fmt: skip
+
+
+def corpus() -> list[tuple[Excerpt, Label]]:
+    """Every labeled excerpt, in name order."""
+    labeled = labels()
+    return [(load_excerpt(CORPUS / f"{name}.log"), labeled[name]) for name in sorted(labeled)]
+
+
+# -- replay through the agent's manual API --------------------------------------------------
+
+
+def replay(excerpt: Excerpt, url: str, *, project: str = "real-logs") -> str:
+    """Send `excerpt` through `handle.record()` into the collector at `url`, as a loop with
+    DeepSpeed / fairseq / Megatron / apex would; return the run's client id."""
+    import torch
+
+    from ampwatch.agent import watch
+
+    by_step = dict(excerpt.checkpoints)
+    with watch(torch.nn.Linear(1, 1), run=excerpt.name, project=project, url=url,
+               flush_interval=0.2) as handle:  # fmt: skip
+        for s in excerpt.steps:
+            handle.record(step=s.step, loss=s.loss, loss_scale=s.loss_scale, skipped=s.skipped,
+                          grad_norm=s.grad_norm)  # fmt: skip
+            if s.step in by_step:
+                handle.checkpoint(by_step[s.step], step=s.step)
+        for step, path in excerpt.checkpoints:
+            if step not in {s.step for s in excerpt.steps}:
+                handle.checkpoint(path, step=step)
+        return handle.client_run_id
+
+
+# -- the peers' published rules, on the same series ------------------------------------------
+
+
+def _losses(steps: Iterable[Step]) -> list[tuple[int, float]]:
+    return [(s.step, s.loss) for s in steps if s.loss is not None and math.isfinite(s.loss)]
+
+
+def megatron_spiky_loss(steps: list[Step], factor: float = 10.0, first: int = 100) -> list[int]:
+    """Megatron-LM's rerun state machine: a loss >= `factor` x the max |loss| of the first
+    `first` values (judged once those exist)."""
+    values = _losses(steps)
+    if len(values) <= first:
+        return []
+    ceiling = factor * max(abs(v) for _, v in values[:first])
+    return [s for s, v in values[first:] if v >= ceiling]
+
+
+def olmo_core_spike(steps: list[Step], window: int = 128, sigmas: float = 6.0,
+                    attr: str = "loss") -> list[int]:  # fmt: skip
+    """OLMo-core StabilityMonitor: value > mean + 6 sigma of the last 128 values (a full
+    window)."""
+    values = [(s.step, getattr(s, attr)) for s in steps]
+    values = [(st, v) for st, v in values if v is not None and math.isfinite(v)]
+    out = []
+    for i in range(window, len(values)):
+        recent = [v for _, v in values[i - window : i]]
+        if values[i][1] > statistics.fmean(recent) + sigmas * statistics.pstdev(recent):
+            out.append(values[i][0])
+    return out
+
+
+def lightning_spike(steps: list[Step], window: int = 10, rtol: float = 2.0,
+                    warmup: int = 1) -> list[int]:  # fmt: skip
+    """Lightning Fabric SpikeDetection defaults (mode min, window 10, warmup 1, rtol 2.0,
+    atol None): a spike when the loss is not an improvement over the running mean of the
+    last `window` values and |loss - mean| >= rtol * mean, once `warmup` values are in."""
+    values = _losses(steps)
+    out = []
+    for i in range(len(values)):
+        recent = [v for _, v in values[max(0, i - window) : i]]
+        if len(recent) < max(warmup, 1):
+            continue
+        mean = statistics.fmean(recent)
+        value = values[i][1]
+        if value > mean and abs(value - mean) >= rtol * abs(mean):
+            out.append(values[i][0])
+    return out
+
+
+def fixed_min_scale(steps: list[Step], min_scale: float = 1.0) -> list[int]:
+    """A fixed floor on the loss scale (DeepSpeed / Megatron 1; fairseq 1e-4)."""
+    return [s.step for s in steps if s.loss_scale is not None and s.loss_scale < min_scale]
+
+
+PEERS: dict[str, Callable[[list[Step]], list[int]]] = {
+    "megatron_10x_first100": megatron_spiky_loss,
+    "olmo_6sigma_128": olmo_core_spike,
+    "lightning_spike": lightning_spike,
+    "min_scale_1 (DeepSpeed)": fixed_min_scale,
+    "min_scale_1e-4 (fairseq)": lambda steps: fixed_min_scale(steps, 1e-4),
+}
+
+
+def first_alert(steps: list[int]) -> int | None:
+    return min(steps) if steps else None
+
+
+def peer_alerts(excerpt: Excerpt) -> dict[str, int | None]:
+    return {name: first_alert(rule(excerpt.steps)) for name, rule in PEERS.items()}
+
+
+def to_json(excerpt: Excerpt) -> dict[str, Any]:  # for debugging a parser
+    return {"name": excerpt.name, "steps": [s.__dict__ for s in excerpt.steps],
+            "checkpoints": excerpt.checkpoints}  # fmt: skip
