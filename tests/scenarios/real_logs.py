@@ -67,7 +67,9 @@ class Label:
     deadline_step: int | None
     says: str
     inference: str
-    expect: tuple[str, ...] = ()
+    #: The first step the source shows as part of the incident: a peer's flag raised
+    #: before it (and held since) was already flagging the healthy part, not the incident.
+    onset_step: int | None = None
 
 
 _NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
@@ -88,9 +90,11 @@ def _megatron(lines: list[str]) -> list[Step]:
     applied one (it is dropped); "grad norm: 0.000" (older Megatron-DeepSpeed without the
     norm) is not measured; a missing "lm loss" (Megatron prints only a positive average,
     so NaN or no applied iteration) is not measured; "number of skipped iterations: N" > 0
-    on a line covering a log interval marks that line's step skipped."""
+    on a line covering a log interval marks that line's step skipped; a scale logged lower
+    than the previous (consecutive) iteration's marks a skip at the previous scale."""
     steps: list[Step] = []
     attempted: float | None = None
+    previous: float | None = None  # the last line's logged scale (after its update)
     for line in lines:
         if (match := _OVERFLOW.search(line)) is not None:
             attempted = float(match.group(1))
@@ -103,9 +107,16 @@ def _megatron(lines: list[str]) -> list[Step]:
         step = Step(int(it.group(1)), loss=_field(line, "lm loss"),
                     loss_scale=_field(line, "loss scale"), skipped=skips > 0,
                     grad_norm=norm if norm else None)  # fmt: skip
+        logged = step.loss_scale
         if attempted is not None:
             step.skipped, step.loss_scale, step.grad_norm = True, attempted, None
             attempted = None
+        elif (steps and steps[-1].step == step.step - 1 and logged is not None
+              and previous is not None and logged < previous):
+            # A scale logged lower than the previous iteration's: DeepSpeed halved it on
+            # an overflow of this iteration (inference; its OVERFLOW line is not excerpted).
+            step.skipped, step.loss_scale, step.grad_norm = True, previous, None
+        previous = logged
         steps.append(step)
     return steps
 
@@ -188,6 +199,10 @@ def _fairseq(lines: list[str], checkpoints: list[tuple[int, str]]) -> list[Step]
             continue
         if "valid on" in line:
             continue
+        if (js := re.search(r"\{.*\}", line)) is not None and '"train_num_updates"' in line:
+            # fairseq's JSON log format: {"train_loss": "816.933", "train_num_updates": ...}
+            values = json.loads(js.group(0))
+            line = " | ".join(f"{k.removeprefix('train_')} {v}" for k, v in values.items())
         updates = _field(line, "num_updates", "=") or _field(line, "num_updates", "")
         if updates is None:
             continue
@@ -202,6 +217,8 @@ def _fairseq(lines: list[str], checkpoints: list[tuple[int, str]]) -> list[Step]
         loss = _field(line, "loss", "=")
         if loss is None:
             loss = _field(line, "| loss", "")
+        if loss is None and line.startswith("epoch "):
+            loss = _field(line, "loss", "")
         norm = _field(line, "gnorm", "=") or _field(line, "gnorm", "")
         step = int(updates) + skips
         if steps and step <= steps[-1].step:
@@ -243,7 +260,7 @@ def labels() -> dict[str, Label]:
     data = json.loads((CORPUS / "labels.json").read_text(encoding="utf-8"))
     return {name: Label(kind=entry["kind"], deadline_step=entry.get("deadline_step"),
                         says=entry["says"], inference=entry.get("inference", ""),
-                        expect=tuple(entry.get("expect", ())))
+                        onset_step=entry.get("onset_step"))
             for name, entry in data["runs"].items()}  # fmt: skip
 
 
@@ -351,3 +368,130 @@ def peer_alerts(excerpt: Excerpt) -> dict[str, int | None]:
 def to_json(excerpt: Excerpt) -> dict[str, Any]:  # for debugging a parser
     return {"name": excerpt.name, "steps": [s.__dict__ for s in excerpt.steps],
             "checkpoints": excerpt.checkpoints}  # fmt: skip
+
+
+# -- judging a replay ----------------------------------------------------------------------
+
+
+@dataclass
+class Verdict:
+    """One excerpt's replay: ampwatch's fired alerts and the peers' first flags, judged
+    against its label."""
+
+    excerpt: Excerpt
+    label: Label
+    alerts: list[dict[str, Any]]  # fired (firing or since resolved)
+    advisor: dict[str, Any] | None
+    peers: dict[str, list[int]]
+
+    @property
+    def first_alert(self) -> int | None:
+        steps = [int(a["fired_step"]) for a in self.alerts if a.get("fired_step") is not None]
+        return min(steps) if steps else None
+
+    @property
+    def lead(self) -> int | None:
+        """Steps from ampwatch's first alert to the deadline (negative: late)."""
+        if self.first_alert is None or self.label.deadline_step is None:
+            return None
+        return self.label.deadline_step - self.first_alert
+
+    def caught(self) -> bool:
+        return self.lead is not None and self.lead >= 0
+
+    def peer_caught(self, peer: str) -> int | None:
+        """The step at which the peer's flag for the incident came up (at or before the
+        deadline), else None. A flag held since before the onset is not a detection."""
+        deadline, onset = self.label.deadline_step, self.label.onset_step
+        flagged = set(self.peers[peer])
+        starts = [s for s in sorted(flagged) if s - 1 not in flagged]
+        if onset is not None:
+            held = [s for s in starts if s < onset]
+            # the episode that began before the onset: still up at the onset?
+            if held and all(t in flagged for t in range(held[-1], onset + 1)):
+                return None
+            starts = [s for s in starts if s >= onset]
+        hits = [s for s in starts if deadline is not None and s <= deadline]
+        return hits[0] if hits else None
+
+    def by_severity(self, severity: str) -> list[str]:
+        return sorted(a["rule"] for a in self.alerts if a["severity"] == severity)
+
+    @property
+    def span(self) -> int:
+        """Steps the excerpt covers (first to last step)."""
+        steps = [s.step for s in self.excerpt.steps]
+        return max(steps) - min(steps) + 1 if steps else 0
+
+    def advisor_problems(self) -> list[str]:
+        """The advisor's pick must precede the deadline and any non-finite loss."""
+        if not self.excerpt.checkpoints or self.advisor is None:
+            return []
+        picked = (self.advisor.get("recommended") or {}).get("step")
+        if picked is None:
+            return []
+        bad = [s.step for s in self.excerpt.steps if s.loss is not None and not math.isfinite(s.loss)]
+        problems = []
+        if self.label.deadline_step is not None and picked >= self.label.deadline_step:
+            problems.append(f"advisor picked {picked}, at or after the deadline")
+        if bad and picked >= min(bad):
+            problems.append(f"advisor picked {picked}, at or after the non-finite loss {min(bad)}")
+        return problems
+
+    def problems(self) -> list[str]:
+        kind = self.label.kind
+        out = self.advisor_problems()
+        if kind == "incident":
+            if not self.caught():
+                out.append(f"no alert by the deadline {self.label.deadline_step} "
+                           f"(first: {self.first_alert})")  # fmt: skip
+            for peer in self.peers:
+                theirs = self.peer_caught(peer)
+                if theirs is not None and (self.first_alert is None or self.first_alert > theirs):
+                    out.append(f"{peer} flagged it at {theirs}, ampwatch at {self.first_alert}")
+        elif kind in ("healthy", "transient") and self.by_severity("critical"):
+            out.append(f"critical alert on a {kind} run: {self.by_severity('critical')}")
+        return out
+
+
+def judge_replay(excerpt: Excerpt, label: Label, alerts: list[dict[str, Any]],
+                 advisor: dict[str, Any] | None) -> Verdict:  # fmt: skip
+    fired = [a for a in alerts if a.get("fired_step") is not None or a.get("status") == "firing"]
+    peers = {name: rule(excerpt.steps) for name, rule in PEERS.items()}
+    return Verdict(excerpt, label, fired, advisor, peers)
+
+
+def replay_and_judge(excerpt: Excerpt, label: Label, url: str) -> Verdict:
+    """Replay `excerpt` into the collector at `url` and judge what it said."""
+    import httpx
+    from scenario_catalog import find_run
+
+    client_run_id = replay(excerpt, url)
+    with httpx.Client(base_url=url, timeout=30) as api:
+        run = find_run(api, client_run_id)
+        alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()
+        advisor = None
+        if excerpt.checkpoints:
+            advisor = api.get(f"/api/v1/runs/{run['id']}/restart-candidates").json()
+    return judge_replay(excerpt, label, alerts["alerts"], advisor)
+
+
+def episodes(flags: list[int]) -> int:
+    """Flagged steps as alerts: a run of consecutive flagged steps is one."""
+    flagged = set(flags)
+    return sum(1 for s in flagged if s - 1 not in flagged)
+
+
+def false_alert_rates(verdicts: list[Verdict]) -> dict[str, dict[str, float]]:
+    """Alerts on healthy excerpts: ampwatch's by severity and each peer's flags, in all and
+    per 10,000 healthy steps (the steps the excerpts cover)."""
+    healthy = [v for v in verdicts if v.label.kind == "healthy"]
+    steps = sum(v.span for v in healthy)
+    counts = {
+        "ampwatch critical": sum(len(v.by_severity("critical")) for v in healthy),
+        "ampwatch warning": sum(len(v.by_severity("warning")) for v in healthy),
+    }
+    for peer in PEERS:
+        counts[peer] = sum(episodes(v.peers[peer]) for v in healthy)
+    return {name: {"count": n, "per_10k": 1e4 * n / steps if steps else math.nan,
+                   "healthy_steps": steps} for name, n in counts.items()}  # fmt: skip
