@@ -428,7 +428,8 @@ RULES: dict[str, Rule] = {
         Rule(
             "scale_floor_stall", "critical", "run", ScaleFloorStall,
             "Every step of a window was skipped while the loss scale sat unchanged at a "
-            "floor: the process runs but training has stopped.",
+            "floor (at once after floor_skips at a scale <= floor_max_scale: 'reducing 1 to "
+            "1'): the process runs but training has stopped.",
         ),
         Rule(
             "no_data", "warning", "run", NoData,

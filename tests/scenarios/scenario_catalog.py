@@ -56,6 +56,9 @@ RULES = (
     "nan_loss",
     "fp16_without_scaler",
     "clip_before_unscale",
+    "loss_spike",
+    "grad_norm_spike",
+    "overflow_burst",
 )
 #: A labeled restart checkpoint precedes the precursor's onset by at least this many steps.
 #: The onset here is ground truth (where the rise began, at a 5% deviation), not a
@@ -584,7 +587,9 @@ SCENARIOS: tuple[Scenario, ...] = (
             must_fire=frozenset({"activation_norm_spike", "loss_scale_collapse"}),
             must_not_fire=frozenset({"fp16_without_scaler", "clip_before_unscale", "no_data",
                                      "silent_underflow", "underflow_risk"}),
-            may_fire=frozenset({"skip_rate", "nan_loss"}),
+            # The overflow storm and the loss / grad-norm spikes are this incident's too.
+            may_fire=frozenset({"skip_rate", "nan_loss", "overflow_burst", "loss_spike",
+                                "grad_norm_spike"}),
             collapse_before_floor=True,
             check_advisor=True,
         ),

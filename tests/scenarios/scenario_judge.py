@@ -16,7 +16,8 @@ from scenario_catalog import Label, Observed, Scenario, ground_truth, observe, t
 #: fp16_without_scaler or clip_before_unscale, which fire at the first step by design).
 INCIDENT_RULES = frozenset({
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
-    "underflow_risk", "scale_floor_stall", "nan_loss",
+    "underflow_risk", "scale_floor_stall", "nan_loss", "loss_spike", "grad_norm_spike",
+    "overflow_burst",
 })  # fmt: skip
 SEVERITIES = ("info", "warning", "critical")
 
