@@ -182,8 +182,8 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
              if v.peer_caught(peer) is not None
              and (v.first_alert is None or v.first_alert > v.peer_caught(peer))]  # fmt: skip
     lines = [
-        f"real logs: {len(incidents)} incidents, {sum(v.caught() for v in incidents)} alerted by "
-        f"their deadline; lead times {[v.lead for v in incidents]}",
+        (f"real logs: {len(incidents)} incidents, {sum(v.caught() for v in incidents)} alerted by "
+        f"their deadline; lead times {[v.lead for v in incidents]}"),
         "false alerts on healthy excerpts ({:.0f} steps): ".format(
             rates["ampwatch critical"]["healthy_steps"])
         + "; ".join(f"{k} {r['count']} ({r['per_10k']:.0f}/10k)" for k, r in rates.items()),

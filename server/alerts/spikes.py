@@ -82,14 +82,14 @@ def still_falling(
     if state.fall_octaves(step, scale, rule.trend_steps) >= rule.trend_octaves:
         return True
     low_skips = state.skipped_within(step, rule.trend_steps, max_scale=rule.min_scale)
-    return len(low_skips) >= rule.trend_skips
+    return bool(len(low_skips) >= rule.trend_skips)
 
 
 def window_width(settings: dict[str, rules.RuleSettings]) -> int:
     collapse = settings["loss_scale_collapse"]
     burst = settings["overflow_burst"]
     assert isinstance(collapse, rules.LossScaleCollapse) and isinstance(burst, rules.OverflowBurst)
-    return max(collapse.trend_steps, burst.window_steps)
+    return int(max(collapse.trend_steps, burst.window_steps))
 
 
 @dataclass(frozen=True)
@@ -207,9 +207,9 @@ def overflow_burst(
 
     def detail() -> tuple[str, dict[str, Any]]:
         return (
-            f"{count} of the {s - first + 1} steps {first}-{s} were skipped (overflow) at loss "
+            (f"{count} of the {s - first + 1} steps {first}-{s} were skipped (overflow) at loss "
             f"scale {_fmt(scale) if scale is not None else 'unknown'}: an overflow storm, not "
-            "the single skip a healthy scaler makes per overflow",
+            "the single skip a healthy scaler makes per overflow"),
             {"skipped": count, "first_skip_step": first, "step": s, "loss_scale": scale,
              "window_steps": rule.window_steps},
         )  # fmt: skip
