@@ -273,33 +273,27 @@ class ScaleFloorStall(RuleSettings):
     )
 
 
-class LossSpike(RuleSettings):
+class RollingSpike(RuleSettings):
+    """A value judged against the median of its own recent values (loss_spike,
+    grad_norm_spike): the fields both rules share."""
+
     for_steps: int = _for_steps(0)
     resolve_steps: int = _resolve_steps(100)
     baseline_samples: int = Field(
         default=32,
         ge=1,
         le=4096,
-        description="Baseline: the median of this many recent finite losses (logged values: "
-        "one per step, or one per log interval). The median ignores a few earlier spikes.",
+        description="Baseline: the median of this many recent finite values (logged values: "
+        "one per step, or one per log interval; a grad norm only of applied steps). The "
+        "median ignores a few earlier spikes.",
     )
     min_baseline_samples: int = Field(
         default=1,
         ge=1,
-        description="Judge once this many losses are in the baseline: logs often show a "
-        "value per 10 steps, and a jump of min_ratio and min_increase over the last one is "
-        "already rare in healthy training (BigScience tr8-104B: 6.44 -> 11.42 in 10 steps).",
-    )
-    min_ratio: float = Field(
-        default=1.3,
-        gt=1,
-        description="Fire when the loss is at least this many times its baseline median...",
-    )
-    min_increase: float = Field(
-        default=1.0,
-        ge=0,
-        description="...and at least this much above it (loss units: 1 nat of cross-entropy "
-        "is a large jump; a fine-tuning loss of 0.05 doubling is noise). 0 for other losses.",
+        description="Judge once this many values are in the baseline: logs often show a "
+        "value per 10 steps, and a jump of min_ratio (and min_increase) over the last one is "
+        "already rare in healthy training (BigScience tr8-104B: loss 6.44 -> 11.42 in 10 "
+        "steps, NaN later).",
     )
     z_threshold: float = Field(
         default=6.0,
@@ -312,17 +306,21 @@ class LossSpike(RuleSettings):
     )
 
 
-class GradNormSpike(RuleSettings):
-    for_steps: int = _for_steps(0)
-    resolve_steps: int = _resolve_steps(100)
-    baseline_samples: int = Field(
-        default=32, ge=1, le=4096,
-        description="Baseline: the median of this many recent finite grad norms of applied "
-        "(not skipped) steps.",
-    )  # fmt: skip
-    min_baseline_samples: int = Field(
-        default=1, ge=1, description="Judge once this many norms are in the baseline."
+class LossSpike(RollingSpike):
+    min_ratio: float = Field(
+        default=1.3,
+        gt=1,
+        description="Fire when the loss is at least this many times its baseline median...",
     )
+    min_increase: float = Field(
+        default=1.0,
+        ge=0,
+        description="...and at least this much above it (loss units: 1 nat of cross-entropy "
+        "is a large jump; a fine-tuning loss of 0.05 doubling is noise). 0 for other losses.",
+    )
+
+
+class GradNormSpike(RollingSpike):
     min_ratio: float = Field(
         default=10.0,
         gt=1,
@@ -331,12 +329,8 @@ class GradNormSpike(RuleSettings):
         "before loss spikes are 10-100x (tr11-176B: 0.24 -> 15.9 two steps before the "
         "loss spiked, tr8-104B: 2e5 -> 3.3e6).",
     )
-    z_threshold: float = Field(
-        default=6.0, gt=0,
-        description="...and, once z_min_samples are in the baseline, a robust z of this.",
-    )  # fmt: skip
-    z_min_samples: int = Field(
-        default=16, ge=2, description="Baseline size from which the z-score is required."
+    min_increase: float = Field(
+        default=0.0, ge=0, description="...and at least this much above it (norm units)."
     )
 
 

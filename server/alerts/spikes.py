@@ -148,18 +148,8 @@ def loss_spike(
     rule: rules.LossSpike,
 ) -> None:  # fmt: skip
     """Judge the step's loss (finite only: a non-finite one is nan_loss's), then learn it."""
-    if loss is None or not math.isfinite(loss):
-        return
-    if judged:
-        spiking, spike = judge_spike(state.losses, loss, min_samples=rule.min_baseline_samples,
-                                     min_ratio=rule.min_ratio, min_increase=rule.min_increase,
-                                     z_threshold=rule.z_threshold,
-                                     z_min_samples=rule.z_min_samples)  # fmt: skip
-        if spiking and spike is not None:
-            tracker.holds("loss_spike", s, _detail("loss", s, spike))
-        elif spiking is not None:
-            tracker.clear("loss_spike", s)
-    _learn(state.losses, loss, rule.baseline_samples)
+    if loss is not None and math.isfinite(loss):
+        _judge_and_learn(tracker, "loss_spike", "loss", state.losses, s, loss, judged, rule)
 
 
 def grad_norm_spike(
@@ -167,19 +157,25 @@ def grad_norm_spike(
     rule: rules.GradNormSpike,
 ) -> None:  # fmt: skip
     """Judge an applied step's grad norm (a skipped step's is Inf/NaN or a stale repeat)."""
-    if norm is None or skipped or not math.isfinite(norm):
-        return
+    if norm is not None and not skipped and math.isfinite(norm):
+        _judge_and_learn(tracker, "grad_norm_spike", "global grad norm", state.grad_norms, s,
+                         norm, judged, rule)  # fmt: skip
+
+
+def _judge_and_learn(
+    tracker: Any, name: str, what: str, baseline: list[float], s: int, value: float,
+    judged: bool, rule: rules.LossSpike | rules.GradNormSpike,
+) -> None:  # fmt: skip
     if judged:
-        spiking, spike = judge_spike(state.grad_norms, norm,
-                                     min_samples=rule.min_baseline_samples,
-                                     min_ratio=rule.min_ratio, min_increase=0.0,
+        spiking, spike = judge_spike(baseline, value, min_samples=rule.min_baseline_samples,
+                                     min_ratio=rule.min_ratio, min_increase=rule.min_increase,
                                      z_threshold=rule.z_threshold,
                                      z_min_samples=rule.z_min_samples)  # fmt: skip
         if spiking and spike is not None:
-            tracker.holds("grad_norm_spike", s, _detail("global grad norm", s, spike))
+            tracker.holds(name, s, _detail(what, s, spike))
         elif spiking is not None:
-            tracker.clear("grad_norm_spike", s)
-    _learn(state.grad_norms, norm, rule.baseline_samples)
+            tracker.clear(name, s)
+    _learn(baseline, value, rule.baseline_samples)
 
 
 def _detail(what: str, s: int, spike: Spike) -> Detail:
