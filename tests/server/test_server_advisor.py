@@ -369,11 +369,15 @@ def test_min_loss_scale_follows_the_runs_collapse_settings(
 
 
 def test_the_recommendation_names_the_data_to_skip(client: httpx.Client, crash_run: int) -> None:
+    from ampwatch.server.cli import format_restart_candidates
+
     answer = client.get(f"/api/v1/runs/{crash_run}/restart-candidates").json()
     skip = answer["skip_steps"]
     # From the step after the recommended checkpoint (100) to the onset (152) + the margin.
     assert (skip["start"], skip["end"]) == (101, 152 + 20)
     assert "onset at step 152 (activation_norm_spike)" in skip["reason"]
+    assert "skip data: steps 101-172 (the batches from the checkpoint" in (
+        format_restart_candidates(answer))
 
 
 def test_never_a_checkpoint_at_or_after_the_first_non_finite_loss(
