@@ -638,6 +638,10 @@ class _LayerState:
         self.base = np.asarray(data.get("base", []), dtype=np.float64)
         self.dev = np.asarray(data.get("dev", []), dtype=np.float64)
         self.n = np.asarray(data.get("n", []), dtype=np.int64)
+        # Consecutive samples each layer rule's condition held on (for_samples).
+        size = len(self.names)
+        self.hits = np.asarray(data.get("hits", [0] * size), dtype=np.int64)
+        self.risk_hits = np.asarray(data.get("risk_hits", [0] * size), dtype=np.int64)
         self._last_names: list[str] = []
         self._last_indices = np.zeros(0, np.intp)
 
@@ -657,6 +661,8 @@ class _LayerState:
             self.base = np.concatenate([self.base, np.zeros(k)])
             self.dev = np.concatenate([self.dev, np.zeros(k)])
             self.n = np.concatenate([self.n, np.zeros(k, np.int64)])
+            self.hits = np.concatenate([self.hits, np.zeros(k, np.int64)])
+            self.risk_hits = np.concatenate([self.risk_hits, np.zeros(k, np.int64)])
         self._last_names = names
         self._last_indices = np.fromiter((self.index[name] for name in names), np.intp)
         return self._last_indices
@@ -670,6 +676,8 @@ class _LayerState:
             "base": np.round(self.base, 6).tolist(),
             "dev": np.round(self.dev, 6).tolist(),
             "n": self.n.tolist(),
+            "hits": self.hits.tolist(),
+            "risk_hits": self.risk_hits.tolist(),
         }
 
 
@@ -763,6 +771,9 @@ def _silent_underflow(
     )
     raised = (excess >= rule.min_increase) & (excess >= rule.spread_factor * dev)
     firing = (judged & raised) | frozen
+    counted = judged | (valid & ~has_baseline)  # where a clear sample resets the count
+    hits = np.where(firing, state.hits[idx] + 1, np.where(counted, 0, state.hits[idx]))
+    state.hits[idx] = hits
 
     # Baselines learn from healthy samples only, so a sustained underflow never becomes
     # the layer's new normal: a running mean first, then an EWMA.
@@ -799,7 +810,8 @@ def _silent_underflow(
                  "frozen": is_frozen, "step": s},
             )  # fmt: skip
 
-        tracker.holds("silent_underflow", s, detail, layer=name)
+        tracker.holds("silent_underflow", s, detail, layer=name,
+                      ready=bool(hits[j] >= rule.for_samples))  # fmt: skip
     # Clear where judged, and where only the frozen test applies (no baseline yet).
     clear = (judged | (valid & ~has_baseline)) & ~firing
     _clear_open(tracker, "silent_underflow", record, clear)
@@ -817,6 +829,8 @@ def _underflow_risk(
     s = record.step
     valid = fresh & np.isfinite(flush)
     risky = valid & (flush >= rule.max_flush_fraction)
+    hits = np.where(risky, state.risk_hits[idx] + 1, np.where(valid, 0, state.risk_hits[idx]))
+    state.risk_hits[idx] = hits
     for j in np.flatnonzero(risky):
         name, value = record.names[j], float(flush[j])
         if tracker.still_firing("underflow_risk", name):
@@ -830,7 +844,8 @@ def _underflow_risk(
                  "step": s},
             )  # fmt: skip
 
-        tracker.holds("underflow_risk", s, detail, layer=name)
+        tracker.holds("underflow_risk", s, detail, layer=name,
+                      ready=bool(hits[j] >= rule.for_samples))  # fmt: skip
     _clear_open(tracker, "underflow_risk", record, valid & ~risky)
 
 

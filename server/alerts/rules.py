@@ -178,13 +178,23 @@ class ActivationNormSpike(RuleSettings):
     )
 
 
+_FOR_SAMPLES = (
+    "Consecutive samples of the layer the condition must hold on before the alert fires: "
+    "one bad sample is noise, three are a trend. Counted in samples, not steps, so denser "
+    "layer sampling fires sooner (the 3rd sample is step +40 at the agent's default of one "
+    "sample per 20 steps, step +10 at one per 5)."
+)
+
+
+def _for_samples(default: int) -> Any:
+    return Field(default=default, ge=1, le=10_000, description=_FOR_SAMPLES)
+
+
 class SilentUnderflow(RuleSettings):
     for_steps: int = _for_steps(
-        40,
-        "Steps the excess must be sustained: the 3rd consecutive sample at the agent's "
-        "default of one layer sample per 20 steps (one bad sample is noise, three are a "
-        "trend), and a few more samples where layers are sampled more often.",
+        0, "Steps the excess must also be sustained, on top of for_samples (0: samples only)."
     )
+    for_samples: int = _for_samples(3)
     resolve_steps: int = _resolve_steps(100)
     min_increase: float = Field(
         default=0.3,
@@ -229,9 +239,9 @@ class SilentUnderflow(RuleSettings):
 
 class UnderflowRisk(RuleSettings):
     for_steps: int = _for_steps(
-        40, "Steps the forecast must hold: the 3rd consecutive sample at the agent's default "
-        "of one layer sample per 20 steps."
+        0, "Steps the forecast must also hold, on top of for_samples (0: samples only)."
     )
+    for_samples: int = _for_samples(3)
     resolve_steps: int = _resolve_steps(100)
     max_flush_fraction: float = Field(
         default=0.1,

@@ -66,3 +66,18 @@ def test_a_floored_scaler_stalls_at_once(feed: Feed) -> None:
     feed.send([step_record(s, skipped=True, loss=2.0, loss_scale=1.0) for s in range(100, 104)])
     (alert,) = feed.alerts(rule="scale_floor_stall")
     assert (alert.started_step, alert.fired_step) == (100, 102)
+
+
+def test_layer_rules_count_their_duration_in_samples(feed: Feed) -> None:
+    """Sampled every 5 steps, an underflow fires at its 3rd sample (onset + 10), not 40
+    steps later: the duration is in samples, so denser sampling pages sooner."""
+    from alert_feed import layer_sample
+
+    def sample(step: int, fc1: float) -> dict:  # type: ignore[type-arg]
+        return layer_sample(step, {"fc1.weight": fc1, "fc2.weight": 0.01})
+
+    for start in range(1, 201, 100):
+        feed.send(healthy(start, 100), [sample(s, 0.02) for s in range(start, start + 100, 5)])
+    feed.send(healthy(201, 40), [sample(s, 0.8) for s in range(201, 241, 5)])
+    (alert,) = feed.alerts(rule="silent_underflow")
+    assert (alert.layer, alert.started_step, alert.fired_step) == ("fc1.weight", 201, 211)
