@@ -25,7 +25,6 @@ rolling state, so they can never corrupt a window or a baseline; they are still 
 from __future__ import annotations
 
 import bisect
-import copy
 import logging
 import math
 from datetime import datetime
@@ -39,6 +38,7 @@ from ampwatch.agent.wire import decode_float
 from ampwatch.server.alerts import rules, spikes
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.state import StepState
 from ampwatch.server.models import AlertState, Run
 from ampwatch.server.schemas import BatchIn, LayerStatsIn, StepIn
 
@@ -70,9 +70,9 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None
         row.key: row
         for row in session.scalars(select(AlertState).where(AlertState.run_id == run.id))
     }
-    steps_state = _StepState(rows[STEPS_KEY].data if STEPS_KEY in rows else None)
+    steps_state = StepState.from_json(rows[STEPS_KEY].data if STEPS_KEY in rows else None)
     tracker = Tracker(session, run, settings, now=now, clear_since=steps_state.clear,
-                      groups=steps_state.data.setdefault("groups", {}))  # fmt: skip
+                      groups=steps_state.groups)  # fmt: skip
 
     if tracker.is_open("no_data"):  # data arrived: the agent is reporting again
         tracker.resolve("no_data", steps_state.last_step or 0)
@@ -90,7 +90,7 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None
     samples.judge_until(None)
     tracker.finish(steps_state.last_step)
 
-    _save(session, rows, run.id, STEPS_KEY, steps_state.data, now)
+    _save(session, rows, run.id, STEPS_KEY, steps_state.to_json(), now)
     if layers_state is not None:
         _save(session, rows, run.id, LAYERS_KEY, layers_state.data, now)
 
@@ -133,58 +133,8 @@ def _octaves(ratio: float) -> str:
 # -- scalar rules -------------------------------------------------------------------------
 
 
-class _StepState:
-    """Typed access to the ``steps`` state dict (kept JSON-ready: finite floats only)."""
-
-    def __init__(self, data: dict[str, Any] | None) -> None:
-        # A deep copy: the loaded value stays the row's original, so the ORM sees the change.
-        self.data: dict[str, Any] = copy.deepcopy(data) if data else {}
-        self.data.setdefault("rank", None)
-        self.data.setdefault("clear", {})
-        self.clear: dict[str, int] = self.data["clear"]
-        if "last_step" not in self.data:
-            self.reset_process()
-            self.data["last_step"] = None
-            self.data["act"] = []
-            self.data["last_skip"] = None
-            self.data["scale_seen"] = False
-
-    def reset_process(self) -> None:
-        """A new training process (run start or resume): calibration starts again."""
-        self.data.update(
-            calibrating=True,
-            first_step=None,
-            clean_run=0,
-            scale=None,
-            changes=[],
-            skip_run=0,
-            skip_run_start=None,
-            stall_run=0,
-            stall_start=None,
-            stall_scale=None,
-            skips=[],
-            counted_from=None,
-            below_since=None,
-            nan_since=None,
-            last_fall=None,
-            last_spike=None,
-            falls=[],
-            incident_skips=0,
-            incident_skips_from=None,
-            process_steps=0,
-            cascade=False,
-            below_falling=False,
-            recent=spikes.RecentState().to_json(),
-        )
-
-    @property
-    def last_step(self) -> int | None:
-        value = self.data["last_step"]
-        return int(value) if value is not None else None
-
-
 def _apply_events(
-    tracker: Tracker, state: _StepState, batch: BatchIn, settings: dict[str, rules.RuleSettings]
+    tracker: Tracker, state: StepState, batch: BatchIn, settings: dict[str, rules.RuleSettings]
 ) -> int | None:
     """Findings raise their rules; a `run_start` of the followed rank (a new process: the
     run started or resumed, maybe from an earlier checkpoint) restarts calibration and the
@@ -195,10 +145,10 @@ def _apply_events(
         if event.kind == "run_start":
             rank = event.data.get("rank", 0)
             rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
-            if state.data["rank"] is not None and rank != state.data["rank"]:
+            if state.rank is not None and rank != state.rank:
                 continue  # another rank's process: the followed one still runs
             state.reset_process()
-            state.data["last_step"] = None
+            state.last_step = None
             restarted = rank
             for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
                 tracker.resolve(rule, step)
@@ -216,17 +166,16 @@ def _apply_events(
     return restarted
 
 
-def _primary_steps(state: _StepState, records: list[StepIn]) -> list[StepIn]:
+def _primary_steps(state: StepState, records: list[StepIn]) -> list[StepIn]:
     """The followed rank's new records, last record of a step winning, in step order."""
     if not records:
         return []
     lowest = min(r.rank for r in records)
-    if state.data["rank"] is None or lowest < state.data["rank"]:
-        if state.data["rank"] is not None:  # a lower rank appeared: follow it from here
-            state.data.update(last_step=None, act=[], last_skip=None)
-            state.reset_process()
-        state.data["rank"] = lowest
-    rank = state.data["rank"]
+    if state.rank is None or lowest < state.rank:
+        if state.rank is not None:  # a lower rank appeared: follow it from here
+            state.follow_rank(lowest)
+        state.rank = lowest
+    rank = state.rank
     last = state.last_step
     latest = {r.step: r for r in records if r.rank == rank and (last is None or r.step > last)}
     return [latest[s] for s in sorted(latest)]
@@ -234,7 +183,7 @@ def _primary_steps(state: _StepState, records: list[StepIn]) -> list[StepIn]:
 
 def _evaluate_steps(
     tracker: Tracker,
-    state: _StepState,
+    state: StepState,
     records: list[StepIn],
     settings: dict[str, rules.RuleSettings],
     samples: _LayerSamples | None = None,
@@ -250,13 +199,12 @@ def _evaluate_steps(
     loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
     norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
     burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
-    d = state.data
-    d.setdefault("falls", [])
-    recent = spikes.RecentState.from_json(d.get("recent"))
+    d = state
+    recent = d.recent
     width = spikes.window_width(settings)
     steps = _primary_steps(state, records)
     values = [_act_value(record, spike) for record in steps] if spike.enabled else []
-    baselines = _act_baselines(d["act"], values, spike)
+    baselines = _act_baselines(d.act, values, spike)
     new_act: list[float] = []
     for i, record in enumerate(steps):
         s = record.step
@@ -269,44 +217,44 @@ def _evaluate_steps(
         if skipped or nan:
             if samples is not None:
                 samples.bad_steps.append(s)
-            d["last_skip"] = s
-        if d["first_step"] is None:
-            d["first_step"] = s
+            d.last_skip = s
+        if d.first_step is None:
+            d.first_step = s
 
         recent.observe(s, scale, skipped, width=width)
         # Warm-up calibration: a cascade that starts with the process (one of its first
         # calibration_start_steps skipped), until a run of clean steps (or a cap). A
         # process whose first steps are clean has a calibrated (restored) scaler.
-        if d["calibrating"]:
-            d["clean_run"] = 0 if skipped else d["clean_run"] + 1
-            d["process_steps"] = d.get("process_steps", 0) + 1
-            d["cascade"] = bool(d.get("cascade")) or skipped
-            if (d["clean_run"] >= collapse.calibration_clean_steps
-                    or s - d["first_step"] >= collapse.calibration_max_steps
-                    or (not d["cascade"]
-                        and d["process_steps"] >= collapse.calibration_start_steps)):  # fmt: skip
-                d["calibrating"] = False
-                d["counted_from"] = s
-                d["changes"] = [[s, scale]] if scale is not None else []
-                d["skips"] = []
-                d["last_fall"] = None
+        if d.calibrating:
+            d.clean_run = 0 if skipped else d.clean_run + 1
+            d.process_steps = d.process_steps + 1
+            d.cascade = d.cascade or skipped
+            if (d.clean_run >= collapse.calibration_clean_steps
+                    or s - d.first_step >= collapse.calibration_max_steps
+                    or (not d.cascade
+                        and d.process_steps >= collapse.calibration_start_steps)):  # fmt: skip
+                d.calibrating = False
+                d.counted_from = s
+                d.changes = [[s, scale]] if scale is not None else []
+                d.skips = []
+                d.last_fall = None
 
         # The loss scale's change points within the fall window (the first one: the
         # scale in effect at the window's start).
         if scale is not None:
-            d["scale_seen"] = True
-            previous = d["scale"]
+            d.scale_seen = True
+            previous = d.scale
             if previous is not None and scale < previous:
-                d["last_fall"] = s
+                d.last_fall = s
                 octaves = math.log2(previous / scale) if scale > 0 else 128.0
-                d["falls"].append([s, octaves])
-            falls = d["falls"]
+                d.falls.append([s, octaves])
+            falls = d.falls
             while falls and falls[0][0] < s - spike.scale_fall_window:
                 falls.pop(0)
-            if previous is None or scale != previous or not d["changes"]:
-                d["changes"].append([s, scale])
-            d["scale"] = scale
-            changes = d["changes"]
+            if previous is None or scale != previous or not d.changes:
+                d.changes.append([s, scale])
+            d.scale = scale
+            changes = d.changes
             cut = 0
             while cut + 1 < len(changes) and changes[cut + 1][0] <= s - collapse.window_steps:
                 cut += 1
@@ -315,40 +263,40 @@ def _evaluate_steps(
             # Below min_scale (or skipping at it): a collapse while the scale still falls;
             # once falling, it holds until the scale is back.
             if scale > collapse.min_scale or (scale == collapse.min_scale and not skipped):
-                d["below_since"] = None
-                d["below_falling"] = False
+                d.below_since = None
+                d.below_falling = False
             else:
-                if d["below_since"] is None:
-                    d["below_since"] = s
-                if not d.get("below_falling"):
-                    d["below_falling"] = spikes.still_falling(recent, s, scale, collapse)
+                if d.below_since is None:
+                    d.below_since = s
+                if not d.below_falling:
+                    d.below_falling = spikes.still_falling(recent, s, scale, collapse)
         if skipped:
-            if d["skip_run"] == 0:
-                d["skip_run_start"] = s
-            d["skip_run"] += 1
+            if d.skip_run == 0:
+                d.skip_run_start = s
+            d.skip_run += 1
         else:
-            d["skip_run"] = 0
+            d.skip_run = 0
 
         _scale_floor_stall(tracker, d, s, scale, skipped, stall)
         if collapse.enabled:
             _loss_scale_collapse(tracker, d, s, scale, collapse)
-        if skip_rate.enabled and not d["calibrating"]:
+        if skip_rate.enabled and not d.calibrating:
             _skip_rate(tracker, d, s, skipped, skip_rate)
-        if burst.enabled and not d["calibrating"]:
+        if burst.enabled and not d.calibrating:
             spikes.overflow_burst(tracker, recent, s, scale, burst)
         if loss_rule.enabled:
-            spikes.loss_spike(tracker, recent, s, loss, not d["calibrating"], loss_rule)
+            spikes.loss_spike(tracker, recent, s, loss, not d.calibrating, loss_rule)
         if norm_rule.enabled:
             grad_norm = _finite(record.grad_norm)
             spikes.grad_norm_spike(tracker, recent, s, grad_norm, skipped,
-                                   not d["calibrating"], norm_rule)  # fmt: skip
+                                   not d.calibrating, norm_rule)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
-                d["nan_since"] = d["nan_since"] if d["nan_since"] is not None else s
-                tracker.holds("nan_loss", s, _nan_detail(s, loss, d["nan_since"]),
-                              onset=d["nan_since"])  # fmt: skip
+                d.nan_since = d.nan_since if d.nan_since is not None else s
+                tracker.holds("nan_loss", s, _nan_detail(s, loss, d.nan_since),
+                              onset=d.nan_since)  # fmt: skip
             else:
-                d["nan_since"] = None
+                d.nan_since = None
                 tracker.clear("nan_loss", s)
         if spike.enabled:
             value = values[i]
@@ -356,27 +304,26 @@ def _evaluate_steps(
                 _activation_spike(tracker, d, s, value, baselines[i], spike)
                 if math.isfinite(value):
                     new_act.append(value)
-        d["last_step"] = s
+        d.last_step = s
 
     if new_act:
-        d["act"] = (d["act"] + new_act)[-spike.baseline_steps :]
-    d["recent"] = recent.to_json()
+        d.act = (d.act + new_act)[-spike.baseline_steps :]
 
 
 def _loss_scale_collapse(
-    tracker: Tracker, d: dict[str, Any], s: int, scale: float | None, rule: rules.LossScaleCollapse
+    tracker: Tracker, d: StepState, s: int, scale: float | None, rule: rules.LossScaleCollapse
 ) -> None:
     parts: list[str] = []
     values: dict[str, Any] = {"step": s, "loss_scale": scale}
     onsets: list[int] = []
-    if d["below_since"] is not None and scale is not None and d.get("below_falling", True):
-        onsets.append(d["below_since"])
+    if d.below_since is not None and scale is not None and d.below_falling:
+        onsets.append(d.below_since)
         where = "is below" if scale < rule.min_scale else "is skipping at"
         parts.append(f"loss scale {_fmt(scale)} {where} min_scale {_fmt(rule.min_scale)} "
-                     f"since step {d['below_since']}, falling")  # fmt: skip
-        values.update(min_scale=rule.min_scale, below_since_step=d["below_since"])
-    if not d["calibrating"]:
-        changes = d["changes"]
+                     f"since step {d.below_since}, falling")  # fmt: skip
+        values.update(min_scale=rule.min_scale, below_since_step=d.below_since)
+    if not d.calibrating:
+        changes = d.changes
         if scale is not None and changes:
             peak_index = max(range(len(changes)), key=lambda i: changes[i][1])
             peak_step, peak = changes[peak_index]
@@ -394,18 +341,18 @@ def _loss_scale_collapse(
                     scale_before_fall=before,
                     fall_octaves=math.log2(peak / scale) if scale > 0 else None,
                 )
-        if d["skip_run"] >= rule.max_consecutive_skips:
-            onsets.append(d["skip_run_start"])
+        if d.skip_run >= rule.max_consecutive_skips:
+            onsets.append(d.skip_run_start)
     # The longest run of skips of this incident stays in its message after it ended.
-    if d["skip_run"] and (d["skip_run"] > d.get("incident_skips", 0)):
-        d.update(incident_skips=d["skip_run"], incident_skips_from=d["skip_run_start"])
+    if d.skip_run and (d.skip_run > d.incident_skips):
+        d.incident_skips, d.incident_skips_from = d.skip_run, d.skip_run_start
     if not onsets:
-        d.update(incident_skips=0, incident_skips_from=None)
+        d.incident_skips, d.incident_skips_from = 0, None
         tracker.clear("loss_scale_collapse", s)
         return
-    if d.get("incident_skips", 0) >= rule.max_consecutive_skips:
-        run, start = d["incident_skips"], d["incident_skips_from"]
-        ongoing = " (ongoing)" if d["skip_run"] == run else ""
+    if d.incident_skips >= rule.max_consecutive_skips:
+        run, start = d.incident_skips, d.incident_skips_from
+        ongoing = " (ongoing)" if d.skip_run == run else ""
         parts.append(f"{run} consecutive skipped steps since step {start}{ongoing}")
         values.update(consecutive_skips=run, skips_since_step=start)
     message = "; ".join(parts)
@@ -430,24 +377,24 @@ def _fall_start(changes: list[list[Any]], peak_index: int, rule: rules.LossScale
 
 def _scale_floor_stall(
     tracker: Tracker,
-    d: dict[str, Any],
+    d: StepState,
     s: int,
     scale: float | None,
     skipped: bool,
     rule: rules.ScaleFloorStall,
 ) -> None:
     if skipped and scale is not None and scale > 0:
-        if d["stall_run"] and d["stall_scale"] == scale:
-            d["stall_run"] += 1
+        if d.stall_run and d.stall_scale == scale:
+            d.stall_run += 1
         else:
-            d.update(stall_run=1, stall_start=s, stall_scale=scale)
+            d.stall_run, d.stall_start, d.stall_scale = 1, s, scale
     else:
-        d.update(stall_run=0, stall_start=None, stall_scale=None)
+        d.stall_run, d.stall_start, d.stall_scale = 0, None, None
     if not rule.enabled:
         return
-    floored = d["stall_run"] >= rule.floor_skips and d["stall_scale"] <= rule.floor_max_scale
-    if d["stall_run"] >= rule.window_steps or floored:
-        run, start, floor = d["stall_run"], d["stall_start"], d["stall_scale"]
+    floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
+    if d.stall_run >= rule.window_steps or floored:
+        run, start, floor = d.stall_run, d.stall_start, d.stall_scale
         tracker.holds(
             "scale_floor_stall",
             s,
@@ -465,16 +412,16 @@ def _scale_floor_stall(
 
 
 def _skip_rate(
-    tracker: Tracker, d: dict[str, Any], s: int, skipped: bool, rule: rules.SkipRate
+    tracker: Tracker, d: StepState, s: int, skipped: bool, rule: rules.SkipRate
 ) -> None:
-    skips: list[int] = d["skips"]
+    skips: list[int] = d.skips
     if skipped:
         skips.append(s)
     first = s - rule.window_steps + 1
     cut = bisect.bisect_left(skips, first)
     if cut:
         del skips[:cut]
-    counted = s - max(d["counted_from"], first) + 1
+    counted = s - max(d.counted_from, first) + 1
     if counted < rule.min_steps:
         return
     fraction = len(skips) / counted
@@ -557,15 +504,15 @@ def _act_baselines(
     return out
 
 
-def _scale_falling(d: dict[str, Any], s: int, rule: rules.ActivationNormSpike) -> bool:
+def _scale_falling(d: StepState, s: int, rule: rules.ActivationNormSpike) -> bool:
     """The loss scale fell by 2^scale_fall_octaves within the last scale_fall_window steps."""
-    octaves = sum(o for step, o in d["falls"] if s - step <= rule.scale_fall_window)
+    octaves = sum(o for step, o in d.falls if s - step <= rule.scale_fall_window)
     return bool(octaves >= rule.scale_fall_octaves)
 
 
 def _activation_spike(
     tracker: Tracker,
-    d: dict[str, Any],
+    d: StepState,
     s: int,
     value: float,
     baseline: tuple[float, float] | None,
@@ -573,13 +520,13 @@ def _activation_spike(
 ) -> None:
     falling = _scale_falling(d, s, rule)
     # The scale falls just after a spike: the same incident, now the OPT-175B signature.
-    recent_spike = d["last_spike"] is not None and s - d["last_spike"] <= rule.scale_fall_window
-    if (d["last_fall"] == s and falling and recent_spike
+    recent_spike = d.last_spike is not None and s - d.last_spike <= rule.scale_fall_window
+    if (d.last_fall == s and falling and recent_spike
             and tracker.is_open("activation_norm_spike")):  # fmt: skip
         tracker.holds("activation_norm_spike", s, lambda: _escalated(d), severity="critical")
     # A non-finite norm is a NaN/Inf forward pass: nan_loss's (or the skip's) business,
     # not a spike; it neither holds nor clears this rule.
-    if baseline is None or d["calibrating"] or not math.isfinite(value):
+    if baseline is None or d.calibrating or not math.isfinite(value):
         return
     median, mad = baseline
     spiking = value >= rule.min_ratio * median and (
@@ -588,11 +535,11 @@ def _activation_spike(
     if not spiking:
         tracker.clear("activation_norm_spike", s)
         return
-    d["last_spike"] = s
-    d["last_spike_value"] = value
+    d.last_spike = s
+    d.last_spike_value = value
     z = (value - median) / mad if mad > 0 else None
     severity = "critical" if falling else "warning"
-    scale, last_fall = d["scale"], d["last_fall"]
+    scale, last_fall = d.scale, d.last_fall
 
     def detail() -> tuple[str, dict[str, Any]]:
         message = (
@@ -612,8 +559,8 @@ def _activation_spike(
     tracker.holds("activation_norm_spike", s, detail, severity=severity)
 
 
-def _escalated(d: dict[str, Any]) -> tuple[str, dict[str, Any]]:
-    value, spike, fall, scale = d["last_spike_value"], d["last_spike"], d["last_fall"], d["scale"]
+def _escalated(d: StepState) -> tuple[str, dict[str, Any]]:
+    value, spike, fall, scale = d.last_spike_value, d.last_spike, d.last_fall, d.scale
     return (
         (
             f"final-layer activation norm spiked to {value} at step {spike} and the loss scale "
@@ -688,7 +635,7 @@ class _LayerSamples:
     def __init__(
         self,
         tracker: Tracker,
-        steps: _StepState,
+        steps: StepState,
         state: _LayerState | None,
         records: list[LayerStatsIn],
         settings: dict[str, rules.RuleSettings],
@@ -699,7 +646,7 @@ class _LayerSamples:
         self.settings = settings
         self.queue = sorted(records, key=lambda r: r.step) if state is not None else []
         self.next = 0
-        last_skip = steps.data["last_skip"]
+        last_skip = steps.last_skip
         #: Steps whose gradients had Inf/NaN, in step order: the last one of earlier
         #: batches, then this batch's as `_evaluate_steps` meets them.
         self.bad_steps: list[int] = [last_skip] if last_skip is not None else []
@@ -717,7 +664,7 @@ class _LayerSamples:
         risk = self.settings["underflow_risk"]
         assert isinstance(underflow, rules.SilentUnderflow)
         assert isinstance(risk, rules.UnderflowRisk)
-        d = self.steps.data
+        d = self.steps
         s = record.step
         idx = state.indices(record.names, record.rank)
         fresh = (state.owner[idx] == record.rank) & (state.last[idx] < s)
@@ -731,14 +678,14 @@ class _LayerSamples:
             fresh_ok = fresh & np.isfinite(max_abs)
         else:
             fresh_ok = fresh
-        calibrating = bool(d["calibrating"])
+        calibrating = bool(d.calibrating)
         zero = record.stats.get("zero_fraction")
         if zero is not None and underflow.enabled:
             _silent_underflow(self.tracker, state, record, idx, zero, fresh_ok, explained,
                               calibrating, underflow)  # fmt: skip
         flush = record.stats.get("flush_fraction")
         judge_risk = (
-            risk.enabled and not calibrating and (d["scale_seen"] or not risk.only_with_loss_scale)
+            risk.enabled and not calibrating and (d.scale_seen or not risk.only_with_loss_scale)
         )
         if flush is not None and judge_risk:
             _underflow_risk(self.tracker, state, record, idx, flush, fresh_ok, risk)
