@@ -100,6 +100,4 @@ class StepState:
         self.rank = rank
 
 
-_RUN_FIELDS = frozenset(
-    {"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen"}
-)
+_RUN_FIELDS = frozenset({"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen"})
