@@ -140,7 +140,10 @@ def _apply_events(
             for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
                 tracker.resolve(rule, step)
         elif event.kind == "finding":
-            rule = rules.FINDING_RULES.get(str(event.data.get("code")))
+            code = str(event.data.get("code"))
+            if code == "fp16_params_without_scaler":
+                state.fp16_without_scaler = True
+            rule = rules.FINDING_RULES.get(code)
             if rule is None or not settings[rule].enabled:
                 continue  # bf16_in_use, fp8_in_use: facts, shown as events
             message = str(event.data.get("message") or rule)

@@ -128,11 +128,11 @@ class LayerSamples:
             _silent_underflow(self.tracker, state, record, idx, zero, fresh_ok, explained,
                               calibrating, underflow)  # fmt: skip
         flush = record.stats.get("flush_fraction")
-        judge_risk = (
-            risk.enabled and not calibrating and (d.scale_seen or not risk.only_with_loss_scale)
-        )
+        subnormal = record.stats.get("subnormal_fraction")
+        fp16 = d.scale_seen or d.fp16_without_scaler  # its FP16 forecast is its own risk
+        judge_risk = risk.enabled and not calibrating and (fp16 or not risk.only_with_loss_scale)
         if flush is not None and judge_risk:
-            _underflow_risk(self.tracker, state, record, idx, flush, fresh_ok, risk)
+            _underflow_risk(self.tracker, state, record, idx, flush, subnormal, fresh_ok, risk)
         state.last[idx[fresh]] = s
 
 
@@ -216,25 +216,32 @@ def _underflow_risk(
     record: LayerStatsIn,
     idx: np.ndarray,
     flush: np.ndarray,
+    subnormal: np.ndarray | None,
     fresh: np.ndarray,
     rule: rules.UnderflowRisk,
 ) -> None:
     s = record.step
     valid = fresh & np.isfinite(flush)
-    risky = valid & (flush >= rule.max_flush_fraction)
+    if subnormal is None:
+        subnormal = np.zeros_like(flush)
+    near = np.nan_to_num(subnormal, nan=0.0) >= rule.max_subnormal_fraction
+    risky = valid & ((flush >= rule.max_flush_fraction) | near)
     hits = np.where(risky, state.risk_hits[idx] + 1, np.where(valid, 0, state.risk_hits[idx]))
     state.risk_hits[idx] = hits
     for j in np.flatnonzero(risky):
-        name, value = record.names[j], float(flush[j])
+        name, value, sub = record.names[j], float(flush[j]), float(subnormal[j])
         if tracker.still_firing("underflow_risk", name):
             continue
 
-        def detail(name: str = name, value: float = value) -> tuple[str, dict[str, Any]]:
+        def detail(name: str = name, value: float = value,
+                   sub: float = sub) -> tuple[str, dict[str, Any]]:  # fmt: skip
             return (
                 (f"layer {name}: {value:.1%} of its scaled gradients would flush to zero in "
-                f"FP16 at step {s} (threshold {rule.max_flush_fraction:.0%})"),
+                 f"FP16 and {sub:.1%} sit in FP16's subnormal range at step {s} (thresholds "
+                 f"{rule.max_flush_fraction:.0%}, {rule.max_subnormal_fraction:.0%})"),
                 {"flush_fraction": value, "max_flush_fraction": rule.max_flush_fraction,
-                 "step": s},
+                 "subnormal_fraction": sub,
+                 "max_subnormal_fraction": rule.max_subnormal_fraction, "step": s},
             )  # fmt: skip
 
         tracker.holds("underflow_risk", s, detail, layer=name,

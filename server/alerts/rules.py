@@ -250,10 +250,20 @@ class UnderflowRisk(RuleSettings):
         description="Fire when this share of a layer's gradient elements would flush "
         "to zero in FP16 (|g*S| < 2^-24): a tenth of the signal about to vanish.",
     )
+    max_subnormal_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="...or when this share sits in FP16's subnormal range at the current "
+        "scale (2^-24 <= |g*S| < 2^-14): within 2^10 of flushing, already losing precision. "
+        "The forecast of a drift: a run whose loss normaliser grows showed 4% -> 60% -> 95% "
+        "over 20 steps, 25+ steps before its first layer froze.",
+    )
     only_with_loss_scale: bool = Field(
         default=True,
-        description="Judge only runs that report a loss scale (FP16 with a scaler): a "
-        "BF16/FP32 run's FP16 forecast is not a risk to it.",
+        description="Judge only runs that report a loss scale (FP16 with a scaler), or FP16 "
+        "runs without one (the agent's fp16_params_without_scaler finding; forecast at S = "
+        "1): a BF16/FP32 run's FP16 forecast is not a risk to it.",
     )
 
 
@@ -427,7 +437,7 @@ RULES: dict[str, Rule] = {
         Rule(
             "underflow_risk", "warning", "layer", UnderflowRisk,
             "A large share of a layer's scaled gradients would flush to zero in FP16 at the "
-            "current loss scale.",
+            "current loss scale, or sits in FP16's subnormal range (the forecast of a drift).",
         ),
         Rule(
             "scale_floor_stall", "critical", "run", ScaleFloorStall,

@@ -71,6 +71,9 @@ class StepState:
     incident_skips: int = 0
     incident_skips_from: int | None = None
     recent: RecentState = field(default_factory=RecentState)
+    #: The process trains FP16 without a loss scaler (the agent's finding): its FP16
+    #: underflow forecast (at S = 1) is its own risk.
+    fp16_without_scaler: bool = False
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> StepState:

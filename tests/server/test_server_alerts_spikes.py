@@ -81,3 +81,24 @@ def test_layer_rules_count_their_duration_in_samples(feed: Feed) -> None:
     feed.send(healthy(201, 40), [sample(s, 0.8) for s in range(201, 241, 5)])
     (alert,) = feed.alerts(rule="silent_underflow")
     assert (alert.layer, alert.started_step, alert.fired_step) == ("fc1.weight", 201, 211)
+
+
+def test_the_underflow_forecast_judges_fp16_without_a_scaler(feed: Feed) -> None:
+    """No loss scale reported, but the agent found FP16 without a scaler: the forecast (at
+    S = 1) is the run's own risk. A subnormal share of 60% on 3 samples fires; a BF16 run
+    with the same numbers (no finding) is not judged."""
+    from alert_feed import finding, layer_sample
+
+    def sample(step: int, subnormal: float) -> dict:  # type: ignore[type-arg]
+        return layer_sample(step, {"fc1.weight": 0.0}, stat="flush_fraction",
+                            extra={"subnormal_fraction": {"fc1.weight": subnormal}})  # fmt: skip
+
+    steps = [step_record(s, loss=2.0) for s in range(1, 101)]
+    drifting = [sample(s, 0.02 if s < 50 else 0.6) for s in range(1, 101, 5)]
+    bf16 = Feed(feed.sessions, "bf16-run")
+    bf16.send(steps, drifting)
+    assert bf16.alerts() == []
+    feed.send(steps, drifting, events=[finding("fp16_params_without_scaler", 0)])
+    (alert,) = feed.alerts(rule="underflow_risk")
+    assert (alert.started_step, alert.fired_step) == (51, 61)
+    assert "60.0% sit in FP16's subnormal range" in alert.message
