@@ -275,7 +275,7 @@ def _evaluate_steps(
         if burst.enabled and not d.calibrating:
             spikes.overflow_burst(tracker, recent, s, scale, burst)
         if loss_rule.enabled:
-            spikes.loss_spike(tracker, recent, s, loss, not d.calibrating, loss_rule)
+            spikes.loss_spike(tracker, recent, s, loss, skipped, not d.calibrating, loss_rule)
         if norm_rule.enabled:
             grad_norm = finite(record.grad_norm)
             spikes.grad_norm_spike(tracker, recent, s, grad_norm, skipped,

@@ -466,10 +466,10 @@ RULES: dict[str, Rule] = {
         ),
         Rule(
             "loss_spike", "warning", "run", LossSpike,
-            "The loss jumped far above its own rolling median (min_ratio and min_increase, "
-            "and a robust z once the baseline is long), at any loss scale: divergences show "
-            "in the loss before, or without, any change of the scale. Warm-up calibration "
-            "excepted.",
+            "The loss of an applied (not skipped) step jumped far above its own rolling "
+            "median (min_ratio and min_increase, and a robust z once the baseline is long), at "
+            "any loss scale: divergences show in the loss before, or without, any change of "
+            "the scale. Warm-up calibration excepted.",
         ),
         Rule(
             "grad_norm_spike", "warning", "run", GradNormSpike,

@@ -144,11 +144,13 @@ def _fmt(value: float) -> str:
 
 
 def loss_spike(
-    tracker: Any, state: RecentState, s: int, loss: float | None, judged: bool,
+    tracker: Any, state: RecentState, s: int, loss: float | None, skipped: bool, judged: bool,
     rule: rules.LossSpike,
 ) -> None:  # fmt: skip
-    """Judge the step's loss (finite only: a non-finite one is nan_loss's), then learn it."""
-    if loss is not None and math.isfinite(loss):
+    """Judge an applied step's loss, then learn it. A non-finite loss is nan_loss's; a
+    skipped step's did not train the model (a corrupted batch's huge loss overflowing its
+    gradients is one skip the scaler handles), and a storm of them is overflow_burst's."""
+    if loss is not None and not skipped and math.isfinite(loss):
         _judge_and_learn(tracker, "loss_spike", "loss", state.losses, s, loss, judged, rule)
 
 
