@@ -19,6 +19,10 @@ The parsers are deliberately small (a separate issue builds the user-facing
 - ``fairseq``: ``num_updates`` lines (train / train_inner / epoch summaries) and
   ``overflow detected, setting loss scale to: X`` lines; checkpoints from ``saved
   checkpoint ... (epoch E @ N updates``.
+- ``deepspeed-engine``: a DeepSpeed engine's own log, trimmed to its ``step=N, skipped=K``
+  lines, its overflow lines and (FP16_Optimizer) ``Grad overflow on iteration N`` /
+  ``Increasing dynamic loss scale`` lines: every attempt 1..N is a step, at the scale
+  DeepSpeed's dynamic scaler had (the ``# scaler:`` header says its settings).
 - ``apex``: ``Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to X``.
 """
 
@@ -227,6 +231,70 @@ def _fairseq(lines: list[str], checkpoints: list[tuple[int, str]]) -> list[Step]
     return steps
 
 
+_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
+
+
+def _seconds(match: re.Match[str]) -> float:
+    from datetime import datetime
+
+    when = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
+    return when.timestamp() + int(match.group(2)) / 1000
+
+
+def _deepspeed_engine(lines: list[str], scaler: dict[str, float]) -> list[Step]:
+    """Every attempt from 1 to the last ``step=N`` line (DeepSpeed's global step counts
+    skipped attempts too; ``skipped=K`` counts them). A skipped attempt is exact where
+    FP16_Optimizer logs ``Grad overflow on iteration i`` (attempt i + 1); otherwise
+    (inference) each overflow line is placed by its time stamp between the two ``step=``
+    lines around it, at the interval's mean time per attempt. The scale between overflows
+    is DeepSpeed's DynamicLossScaler replayed with the ``# scaler:`` settings (halve on an
+    overflow once hysteresis is spent, double after ``scale_window`` clean attempts); the
+    test checks that the replay attempts every overflow at the scale the log prints."""
+    marks: list[tuple[int, float]] = []  # (attempt, time) of each step=N line
+    overflow_times: list[float] = []
+    exact: set[int] = set()
+    for line in lines:
+        stamp = re.match(_STAMP, line)
+        if (m := re.search(r"step=(\d+), skipped=(\d+)", line)) and stamp:
+            marks.append((int(m.group(1)), _seconds(stamp)))
+        elif (m := re.match(r"Grad overflow on iteration (\d+)", line)) is not None:
+            exact.add(int(m.group(1)) + 1)
+        elif "Skipping step" in line and stamp:
+            overflow_times.append(_seconds(stamp))
+    skipped = set(exact)
+    if not exact:
+        for t in overflow_times:
+            after = next((i for i, (_, tm) in enumerate(marks) if tm >= t), len(marks) - 1)
+            hi_step, hi_t = marks[after]
+            lo_step, lo_t = marks[after - 1] if after > 0 else (0, None)
+            per = (hi_t - lo_t) / (hi_step - lo_step) if lo_t is not None else None
+            if per is None and after + 1 < len(marks):
+                per = (marks[after + 1][1] - hi_t) / (marks[after + 1][0] - hi_step)
+            guess = hi_step - round((hi_t - t) / per) if per else hi_step
+            guess = min(max(guess, lo_step + 1), hi_step)
+            while guess in skipped and guess < hi_step:
+                guess += 1
+            while guess in skipped:
+                guess -= 1
+            skipped.add(guess)
+    scale, window = scaler["init_scale"], int(scaler["scale_window"])
+    shift = int(scaler.get("delayed_shift", 1))
+    hysteresis, last_overflow = shift, 0
+    steps = []
+    for attempt in range(1, marks[-1][0] + 1 if marks else 1):
+        steps.append(Step(attempt, loss_scale=scale, skipped=attempt in skipped))
+        if attempt in skipped:
+            if shift == 1 or hysteresis == 1:
+                scale = max(scale / 2, scaler.get("min_scale", 1.0))
+            else:
+                hysteresis -= 1
+            last_overflow = attempt
+        elif (attempt - last_overflow) % window == 0:
+            hysteresis = shift
+            scale *= 2
+    return steps
+
+
 def _apex(lines: list[str]) -> list[Step]:
     """Inference: consecutive steps from 1 (apex logs no step), each attempted at twice
     the scale it reduced to (apex's backoff factor 2)."""
@@ -251,9 +319,23 @@ def load_excerpt(path: Path) -> Excerpt:
         "deepspeed-tqdm": _deepspeed_tqdm,
         "apex": _apex,
         "fairseq": lambda ls: _fairseq(ls, checkpoints),
+        "deepspeed-engine": lambda ls: _deepspeed_engine(ls, _settings(header["scaler"])),
     }
     steps = parse[fmt](lines)
     return Excerpt(path.stem, fmt, header["source"], steps, checkpoints)
+
+
+def _settings(text: str) -> dict[str, float]:
+    """``init_scale=65536 scale_window=100`` -> {"init_scale": 65536.0, ...}."""
+    return {k: float(v) for k, v in (item.split("=") for item in text.split())}
+
+
+def logged_attempts(path: Path) -> list[float]:
+    """The scales a DeepSpeed log says its overflowed attempts ran at, in order (to check
+    the parser's replay of the scaler against)."""
+    pattern = re.compile(r"Attempted loss scale: " + _NUMBER)
+    return [float(m.group(1)) for line in path.read_text(encoding="utf-8").splitlines()
+            if (m := pattern.search(line))]  # fmt: skip
 
 
 def labels() -> dict[str, Label]:

@@ -9,7 +9,15 @@ rule computed on the same series; healthy and self-recovering runs get no critic
 from __future__ import annotations
 
 import pytest
-from real_logs import CORPUS, PEERS, corpus, labels, load_excerpt, replay_and_judge
+from real_logs import (
+    CORPUS,
+    PEERS,
+    corpus,
+    labels,
+    load_excerpt,
+    logged_attempts,
+    replay_and_judge,
+)
 
 CASES = corpus()
 
@@ -47,6 +55,22 @@ def test_the_parsers_read_what_the_logs_say() -> None:
     assert ckpt.steps[0].loss_scale is None  # printed "0": rounded away, not measured
 
 
+def test_the_deepspeed_engine_parser_replays_the_scaler_the_log_prints() -> None:
+    """Every attempt is a step, skipped exactly as often as `skipped=K` says, and the
+    replayed scaler attempts each overflow at the scale its OVERFLOW line prints (the check
+    on the inferred scale between overflows, which DeepSpeed's ZeRO scaler never logs)."""
+    for name, attempts, skips in (("deepspeed-chat-sft-opt1.3b", 7360, 139),
+                                  ("deepspeed-chat-rm-opt350m", 1840, 20)):  # fmt: skip
+        path = CORPUS / f"{name}.log"
+        excerpt = load_excerpt(path)
+        assert [s.step for s in excerpt.steps] == list(range(1, attempts + 1)), name
+        skipped = [s for s in excerpt.steps if s.skipped]
+        assert len(skipped) == skips, name
+        assert [s.loss_scale for s in skipped] == logged_attempts(path), name
+    rm = load_excerpt(CORPUS / "deepspeed-chat-rm-opt350m.log")
+    assert [s.step for s in rm.steps if s.skipped][10:14] == [146, 483, 486, 487]
+
+
 def test_the_peer_rules_fire_where_their_definitions_say() -> None:
     from real_logs import Step, lightning_spike, megatron_spiky_loss, olmo_core_spike
 
@@ -66,7 +90,22 @@ def test_the_peer_rules_fire_where_their_definitions_say() -> None:
 KNOWN_LATER = {("fairseq-1895-min-scale", "min_scale_1 (DeepSpeed)"): 1}
 
 
-@pytest.mark.parametrize("case", CASES, ids=[excerpt.name for excerpt, _ in CASES])
+#: Known, measured false pages, kept failing (strict xfail) until a rule change fixes them
+#: for a stated reason. deepspeed-chat-rm-opt350m: FP16_Optimizer (no hysteresis) skipped
+#: attempts 483, 486 and 487 (512 -> 64) and the run went on to finish healthy;
+#: overflow_burst's min_skips 3 within 8 pages critical at 487. The incidents it must keep
+#: catching (tr8b-104B, chinese-llama-534) have their 3 skips consecutive.
+KNOWN_FALSE = {"deepspeed-chat-rm-opt350m": "overflow_burst pages a healthy 3-of-5 burst"}
+
+
+def _cases() -> list:  # type: ignore[type-arg]
+    marks = {name: pytest.mark.xfail(strict=True, reason=why) for name, why in KNOWN_FALSE.items()}
+    return [pytest.param(case, id=case[0].name,
+                         marks=[marks[case[0].name]] if case[0].name in marks else [])
+            for case in CASES]  # fmt: skip
+
+
+@pytest.mark.parametrize("case", _cases())
 def test_replay(case, live_collector) -> None:  # type: ignore[no-untyped-def]
     excerpt, label = case
     verdict = replay_and_judge(excerpt, label, live_collector.url)
