@@ -360,10 +360,12 @@ class OverflowBurst(RuleSettings):
     min_skips: int = Field(
         default=3,
         ge=2,
-        description="Fire when this many steps were skipped within window_steps after "
-        "calibration, whatever the scale: a healthy scaler skips one step per overflow (two "
-        "with DeepSpeed's hysteresis of 2), so a third within a few steps is a storm "
-        "(tr8b-104B: 6 of 7 at 2^20 -> 2^15, then NaN; a floored scaler never falls below 1).",
+        description="Fire when this many steps in a row (no applied step between them) were "
+        "skipped within window_steps after calibration, whatever the scale: a healthy scaler "
+        "skips one step per overflow (two with DeepSpeed's hysteresis of 2) and the next "
+        "applies, so a third in a row is a storm (tr8b-104B: 6 of 7 at 2^20 -> 2^15, then "
+        "NaN; a floored scaler never falls below 1). Overflows with applied steps between "
+        "were each cured by a halving (DeepSpeed-Chat's reward model: 483, 486, 487, healthy).",
     )
     window_steps: int = Field(
         default=8, ge=2, le=10_000, description="Window of the burst, in steps."

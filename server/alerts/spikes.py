@@ -65,6 +65,16 @@ class RecentState:
         return [s for s, scale, skipped in self.window if skipped and s > step - width
                 and (max_scale is None or (scale is not None and scale <= max_scale))]  # fmt: skip
 
+    def skipped_run(self, step: int, width: int) -> list[int]:
+        """The skipped steps in (step - width, step] after its last applied step: the
+        overflows that the scaler's halvings have not yet cured."""
+        run: list[int] = []
+        for s, _, skipped in reversed(self.window):
+            if s <= step - width or not skipped:
+                break
+            run.append(s)
+        return run[::-1]
+
     def fall_octaves(self, step: int, scale: float, width: int) -> float:
         """Halvings from the highest scale of the last `width` steps down to `scale`."""
         scales = [w[1] for w in self.window if w[0] > step - width and w[1] is not None]
@@ -196,8 +206,15 @@ def _detail(what: str, s: int, spike: Spike) -> Detail:
 def overflow_burst(
     tracker: Any, state: RecentState, s: int, scale: float | None, rule: rules.OverflowBurst
 ) -> None:
-    """After calibration: min_skips skipped steps within window_steps fire, at any scale."""
+    """After calibration: min_skips skipped steps in a row within window_steps fire, at any
+    scale; an open burst then counts every skip in the window (its extent). An applied step
+    between two overflows shows that one halving cured the first (DeepSpeed-Chat's healthy
+    reward-model run skips 483, 486 and 487, then finishes); a run of them shows the
+    gradients outgrowing each halving (tr8b-104B, chinese-llama)."""
     skips = state.skipped_within(s, rule.window_steps)
+    run = state.skipped_run(s, rule.window_steps)
+    if not tracker.is_open("overflow_burst") and len(run) < rule.min_skips:
+        skips = []  # not yet a storm: the skips so far were each cured by a halving
     if len(skips) < rule.min_skips:
         tracker.clear("overflow_burst", s)
         return

@@ -90,22 +90,7 @@ def test_the_peer_rules_fire_where_their_definitions_say() -> None:
 KNOWN_LATER = {("fairseq-1895-min-scale", "min_scale_1 (DeepSpeed)"): 1}
 
 
-#: Known, measured false pages, kept failing (strict xfail) until a rule change fixes them
-#: for a stated reason. deepspeed-chat-rm-opt350m: FP16_Optimizer (no hysteresis) skipped
-#: attempts 483, 486 and 487 (512 -> 64) and the run went on to finish healthy;
-#: overflow_burst's min_skips 3 within 8 pages critical at 487. The incidents it must keep
-#: catching (tr8b-104B, chinese-llama-534) have their 3 skips consecutive.
-KNOWN_FALSE = {"deepspeed-chat-rm-opt350m": "overflow_burst pages a healthy 3-of-5 burst"}
-
-
-def _cases() -> list:  # type: ignore[type-arg]
-    marks = {name: pytest.mark.xfail(strict=True, reason=why) for name, why in KNOWN_FALSE.items()}
-    return [pytest.param(case, id=case[0].name,
-                         marks=[marks[case[0].name]] if case[0].name in marks else [])
-            for case in CASES]  # fmt: skip
-
-
-@pytest.mark.parametrize("case", _cases())
+@pytest.mark.parametrize("case", CASES, ids=[excerpt.name for excerpt, _ in CASES])
 def test_replay(case, live_collector) -> None:  # type: ignore[no-untyped-def]
     excerpt, label = case
     verdict = replay_and_judge(excerpt, label, live_collector.url)

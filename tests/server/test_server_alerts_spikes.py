@@ -48,6 +48,25 @@ def test_a_warm_up_cascade_is_quiet_but_a_burst_after_clean_steps_is_not(feed: F
     assert "6 of the 7 steps 402-408 were skipped" in alert.message
 
 
+def test_overflows_each_cured_by_a_halving_are_not_a_burst_but_three_in_a_row_are(
+    feed: Feed,
+) -> None:
+    # DeepSpeed-Chat's healthy reward model (FP16_Optimizer, no hysteresis): skips at 483,
+    # 486 and 487 (512 -> 64), applied steps between: each halving cured its overflow.
+    feed.send_steps(calibration(1, start=65536.0, halvings=10) + healthy(11, 470, scale=512.0))
+    cured = [step_record(481 + i, skipped=i in (2, 5, 6), loss=2.0,
+                         loss_scale=512.0 / 2 ** sum(j in (2, 5, 6) for j in range(i)))
+             for i in range(8)]  # fmt: skip
+    feed.send(cured + healthy(489, 40, scale=64.0))
+    assert feed.alerts(rule="overflow_burst") == []
+    # Three in a row later in the same run: the gradients outgrow each halving.
+    storm = [step_record(600 + i, skipped=True, loss=2.0, loss_scale=64.0 / 2**i)
+             for i in range(3)]  # fmt: skip
+    feed.send(storm)
+    (alert,) = feed.alerts(rule="overflow_burst")
+    assert (alert.severity, alert.started_step, alert.fired_step) == ("critical", 600, 602)
+
+
 def test_a_stable_low_scale_is_not_a_collapse_but_a_falling_one_is(feed: Feed) -> None:
     # fairseq at 0.5 for a long time, one overflow per "epoch" (halving to 0.25, regrowth).
     records = healthy(1, 3000, scale=0.5, skips={s: 0.5 for s in range(500, 3000, 700)})
