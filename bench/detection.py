@@ -188,6 +188,10 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
             rates["ampwatch critical"]["healthy_steps"])
         + "; ".join(f"{k} {r['count']} ({r['per_10k']:.0f}/10k)" for k, r in rates.items()),
     ]
+    healthy = [v for v in verdicts if v.label.kind == "healthy"]
+    with_loss = sum(s.loss is not None for v in healthy for s in v.excerpt.steps)
+    lines.append(f"  healthy records with a loss value: {with_loss} (the loss-spike peers and "
+                 "loss_spike judge only these; the long DeepSpeed-Chat logs print no loss)")
     for name, peer, ours_at, theirs in later:
         lines.append(f"  later than a peer: {name}: {peer} at {theirs}, ampwatch at {ours_at}")
     peer_false = {k: r["count"] for k, r in rates.items() if not k.startswith("ampwatch")}
@@ -200,7 +204,12 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
         and ours == 0,
         "advisor picks before the incident": all(not v.advisor_problems() for v in verdicts),
     }
-    lines.append("real-log bars: " + "; ".join(f"{k} {'OK' if ok else 'MISSED'}"
+    known = [(n, p) for n, p, a, t in later
+             if a is not None and a - t <= real_logs.KNOWN_LATER.get((n, p), -1)]  # fmt: skip
+    notes = {"no incident flagged by a peer before ampwatch": (
+        f" ({len(known)} of {len(later)} a measured trade-off, real_logs.KNOWN_LATER: "
+        + ", ".join(f"{n} vs {p}" for n, p in known) + ")") if known else ""}
+    lines.append("real-log bars: " + "; ".join(f"{k} {'OK' if ok else 'MISSED'}{notes.get(k, '')}"
                                                 for k, ok in marks.items()))  # fmt: skip
     return all(marks.values()), lines
 

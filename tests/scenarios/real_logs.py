@@ -439,6 +439,16 @@ PEERS: dict[str, Callable[[list[Step]], list[int]]] = {
 }
 
 
+#: Known, measured exceptions to "no later than any peer": (excerpt, peer) -> the steps by
+#: which ampwatch is later, and why. fairseq-1895's first known scale (0.001, skipped) is far
+#: below 1.0, so a fixed floor flags it at once; ampwatch waits for a second skip below the
+#: floor (trend_skips), since one skip at a low scale is what a healthy fairseq run at 0.5
+#: does once per epoch (fairseq-2493), where the fixed floor is a false alert. No principled
+#: rule fires on one skip far below 1.0 and not on one at 0.5 without a depth threshold
+#: chosen between these two excerpts (see the issue #13 closing note).
+KNOWN_LATER = {("fairseq-1895-min-scale", "min_scale_1 (DeepSpeed)"): 1}
+
+
 def first_alert(steps: list[int]) -> int | None:
     return min(steps) if steps else None
 

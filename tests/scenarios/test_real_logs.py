@@ -11,6 +11,7 @@ from __future__ import annotations
 import pytest
 from real_logs import (
     CORPUS,
+    KNOWN_LATER,
     PEERS,
     corpus,
     labels,
@@ -82,12 +83,6 @@ def test_the_peer_rules_fire_where_their_definitions_say() -> None:
     assert set(PEERS) >= {"megatron_10x_first100", "olmo_6sigma_128", "lightning_spike"}
 
 
-#: Known, measured exceptions to "no later than any peer": (excerpt, peer) -> the steps by
-#: which ampwatch is later, and why. fairseq-1895's first known scale (0.001, skipped) is far
-#: below 1.0, so a fixed floor flags it at once; ampwatch waits for a second skip below the
-#: floor (trend_skips), since one skip at a low scale is what a healthy fairseq run at 0.5
-#: does once per epoch (fairseq-2493), where the fixed floor is a false alert.
-KNOWN_LATER = {("fairseq-1895-min-scale", "min_scale_1 (DeepSpeed)"): 1}
 
 
 @pytest.mark.parametrize("case", CASES, ids=[excerpt.name for excerpt, _ in CASES])
