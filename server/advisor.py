@@ -16,7 +16,16 @@ A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
 3. the final-layer activation norm (mean over tokens) was within the run's own robust
    baseline before it: <= median + k * 1.4826 * MAD of the step-rollup extremes of the
    `baseline_buckets` rollups (64 steps each) that end before it;
-4. it precedes the incident onset by at least `margin_steps`.
+4. it precedes the incident onset by at least `margin_steps`;
+5. it was saved before the run's first non-finite loss, whatever the alerts say (a NaN run
+   can end "succeeded" and leave a poisoned checkpoint; the first non-finite loss is found
+   from the step rollups, where NaN wins the maximum, and then the one bucket's raw steps).
+
+With the recommendation comes the data to skip on restart (`skip_steps`): from the
+checkpoint's next step to the incident onset plus `skip_after_onset` steps (default: the
+margin), because the batches just before and at a spike are its likeliest trigger (PaLM's
+team restarted ~100 steps before a spike and skipped 200-500 batches; Lightning's
+SpikeDetection writes the spike's batch and the one before it to skip_batches.json).
 
 The incident is the first one that reached critical: the critical alert that fired first,
 plus every precursor (`PRECURSOR_RULES`, or any critical alert) still open, or resolved
@@ -58,6 +67,7 @@ from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas import (
     CheckpointPublic,
+    DataSkip,
     RestartCandidate,
     RestartCandidates,
     RestartCheckpoint,
@@ -73,6 +83,9 @@ PRECURSOR_RULES = frozenset(
         "loss_scale_collapse",
         "scale_floor_stall",
         "nan_loss",
+        "loss_spike",
+        "grad_norm_spike",
+        "overflow_burst",
     }
 )
 #: Never part of an incident: the agent going quiet says nothing about the weights, and a
@@ -105,6 +118,8 @@ class AdvisorConfig:
     margin_fraction: float = 0.02
     margin_min_steps: int = 20
     incident_gap: int = 50
+    #: Steps after the onset whose data is worth skipping on restart; None: the margin.
+    skip_after_onset: int | None = None
     rank: int = 0
     precursor_rules: frozenset[str] = field(default=PRECURSOR_RULES)
 
@@ -178,6 +193,32 @@ def incident_onset(alerts: list[_AlertSpan], *, config: AdvisorConfig) -> Onset 
     return onset
 
 
+def first_non_finite_loss(session: Session, run_id: int, rank: int) -> int | None:
+    """The run's first step whose loss was NaN or infinite, or None. One indexed read of the
+    rollups (one row per 64 steps; NaN orders above every number, in SQLite as the text
+    'NaN' and in PostgreSQL natively, so it passes `> 1e308` like +Inf), then the one
+    bucket's raw steps, judged in Python."""
+    start = session.scalar(
+        select(StepRollup.bucket_start)
+        .where(StepRollup.run_id == run_id, StepRollup.rank == rank,
+               (StepRollup.loss_max > 1e308) | (StepRollup.loss_min < -1e308))
+        .order_by(StepRollup.bucket_start)
+        .limit(1)
+    )  # fmt: skip
+    if start is None:
+        return None
+    losses = session.execute(
+        select(Step.step, Step.loss)
+        .where(Step.run_id == run_id, Step.rank == rank,
+               Step.step.between(start, start + ROLLUP_WIDTH - 1))
+        .order_by(Step.step)
+    ).all()  # fmt: skip
+    for step, loss in losses:
+        if loss is not None and not math.isfinite(loss):
+            return int(step)
+    return None
+
+
 def margin_for(last_step: int | None, *, config: AdvisorConfig) -> int:
     """Steps a healthy checkpoint must precede the onset by: a share of the run, floored."""
     return max(config.margin_min_steps, math.ceil(config.margin_fraction * (last_step or 0)))
@@ -225,12 +266,18 @@ def _judge(
     onset: Onset | None,
     margin: int,
     config: AdvisorConfig,
+    first_bad_loss: int | None = None,
 ) -> _Judgement:
     verdict = _Judgement()
     step = checkpoint.step
     if step is None:
         verdict.failures.append("the checkpoint event carries no step")
         return verdict
+    if first_bad_loss is not None and step >= first_bad_loss:
+        verdict.failures.append(
+            f"saved at or after the run's first non-finite loss (step {first_bad_loss}): "
+            "its weights may already hold NaN/Inf"
+        )
     rows = session.execute(
         select(Step.step, Step.loss_scale, Step.act_norm_mean)
         .where(
@@ -386,8 +433,10 @@ def restart_candidates(
         )
         margin_steps = margin_for(last_step, config=config)
     checkpoints = run_checkpoints(session, run_id).checkpoints
+    first_bad = first_non_finite_loss(session, run_id, config.rank) if checkpoints else None
     judged = [
-        (c, _judge(session, run_id, c, alerts, onset, margin_steps, config)) for c in checkpoints
+        (c, _judge(session, run_id, c, alerts, onset, margin_steps, config, first_bad))
+        for c in checkpoints
     ]
     healthy = [(c, j) for c, j in judged if not j.failures]
     best = max(healthy, key=lambda cj: (cj[0].step or 0, cj[0].time), default=None)
@@ -426,6 +475,18 @@ def restart_candidates(
         if best is not None
         else None
     )
+    skip = None
+    if best is not None and best[0].step is not None and onset is not None:
+        after = config.skip_after_onset if config.skip_after_onset is not None else margin_steps
+        skip = DataSkip(
+            start=best[0].step + 1,
+            end=onset.step + after,
+            reason=(
+                f"the batches from the checkpoint (step {best[0].step}) to {after} steps after "
+                f"the incident onset at step {onset.step} ({onset.rule}): the data at and "
+                "just before a spike is its likeliest trigger (PaLM skipped 200-500 batches)"
+            ),
+        )
     return RestartCandidates(
         run_id=run_id,
         onset_step=onset.step if onset is not None else None,
@@ -433,4 +494,5 @@ def restart_candidates(
         margin_steps=margin_steps,
         recommended=recommended,
         candidates=candidates,
+        skip_steps=skip,
     )

@@ -255,6 +255,9 @@ def format_restart_candidates(answer: dict[str, object]) -> str:
     best = answer["recommended"]
     if isinstance(best, dict):
         lines.append(f"recommended: step {best['step']}  {best['path'] or '(no path)'}")
+        skip = answer.get("skip_steps")
+        if isinstance(skip, dict):
+            lines.append(f"skip data: steps {skip['start']}-{skip['end']} ({skip['reason']})")
     else:
         lines.append("recommended: none (no healthy checkpoint)")
     candidates = answer["candidates"]

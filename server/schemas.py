@@ -605,6 +605,14 @@ class RestartCandidate(RestartCheckpoint):
     act_norm: WireFloat | None
 
 
+class DataSkip(BaseModel):
+    """Steps of data worth skipping on a restart from the recommended checkpoint (inclusive)."""
+
+    start: int
+    end: int
+    reason: str
+
+
 class RestartCandidates(BaseModel):
     """A run's checkpoints ranked for a restart: the recommended one first, then the
     other healthy ones, latest first, then the rejected ones, latest first."""
@@ -617,6 +625,8 @@ class RestartCandidates(BaseModel):
     margin_steps: int
     recommended: RestartCheckpoint | None
     candidates: list[RestartCandidate]
+    #: With a recommendation and an incident: the data to skip when restarting from it.
+    skip_steps: DataSkip | None = None
 
 
 # --- alerts (`ampwatch.server.alerts`, `ampwatch.server.api.alerts`) ----------------------

@@ -151,8 +151,11 @@ class Tracker:
         layer: str = "",
         onset: int | None = None,
         severity: str | None = None,
+        ready: bool = True,
     ) -> None:
-        """The condition of (`rule`, `layer`) holds at `step`; its onset was `onset`."""
+        """The condition of (`rule`, `layer`) holds at `step`; its onset was `onset`.
+        `ready=False` keeps a pending alert pending whatever `for_steps` says (a layer rule
+        counts its `for_samples` itself)."""
         key = (rule, layer)
         alert = self.open.get(key)
         if alert is None:
@@ -186,7 +189,7 @@ class Tracker:
             if rule in INHIBITED_BY_COLLAPSE and self.collapse_firing():
                 return
             for_steps = int(getattr(self.settings[rule], "for_steps", 0))
-            if step - alert.started_step >= for_steps:
+            if ready and step - alert.started_step >= for_steps:
                 alert = self._orm(key)
                 alert.status = "firing"
                 alert.fired_step = step

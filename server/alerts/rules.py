@@ -44,8 +44,9 @@ class LossScaleCollapse(RuleSettings):
     min_scale: float = Field(
         default=1.0,
         ge=0,
-        description="Fire when the loss scale falls below this (DeepSpeed and Megatron floor "
-        "at 1; OPT-175B restarted from checkpoints whose scale was still >= 1).",
+        description="Fire when the loss scale falls below this, or skips at it, while it is "
+        "still falling (trend_steps) (DeepSpeed and Megatron floor at 1; OPT-175B restarted "
+        "from checkpoints whose scale was still >= 1).",
     )
     fall_octaves: int = Field(
         default=8,
@@ -75,6 +76,37 @@ class LossScaleCollapse(RuleSettings):
         ge=0,
         description="...or this many steps after the run's (or a resumed process's) first "
         "step, whichever comes first: a cascade that never settles is not calibration.",
+    )
+    calibration_start_steps: int = Field(
+        default=2,
+        ge=0,
+        description="A process calibrates only when one of its first this-many steps is "
+        "skipped: a fresh scaler that starts too high overflows on its first backward (a "
+        "hysteresis of 2 on its second), while one restored from a checkpoint starts "
+        "calibrated, so a cascade after clean steps (BigScience tr8b-104B: resumed, 2 clean "
+        "steps, then 6 of 7 skipped, then NaN) is an incident.",
+    )
+    trend_steps: int = Field(
+        default=50,
+        ge=1,
+        le=100_000,
+        description="A scale below min_scale fires only while it is falling: within this "
+        "many steps it fell by 2^trend_octaves or trend_skips steps were skipped. A stable "
+        "low scale (a fairseq run sitting at 0.5 for thousands of steps, one overflow per "
+        "epoch) is a healthy scaler, not a collapse; once fired, it holds while below.",
+    )
+    trend_octaves: int = Field(
+        default=2,
+        ge=1,
+        le=128,
+        description="Halvings within trend_steps that make a low scale a falling one (one "
+        "halving is any single overflow's).",
+    )
+    trend_skips: int = Field(
+        default=2,
+        ge=1,
+        description="...or this many skipped steps within trend_steps at or below min_scale "
+        "(fairseq: overflows at 0.001 and 0.0005 before 'Minimum loss scale reached').",
     )
 
 
@@ -146,13 +178,23 @@ class ActivationNormSpike(RuleSettings):
     )
 
 
+_FOR_SAMPLES = (
+    "Consecutive samples of the layer the condition must hold on before the alert fires: "
+    "one bad sample is noise, three are a trend. Counted in samples, not steps, so denser "
+    "layer sampling fires sooner (the 3rd sample is step +40 at the agent's default of one "
+    "sample per 20 steps, step +10 at one per 5)."
+)
+
+
+def _for_samples(default: int) -> Any:
+    return Field(default=default, ge=1, le=10_000, description=_FOR_SAMPLES)
+
+
 class SilentUnderflow(RuleSettings):
     for_steps: int = _for_steps(
-        40,
-        "Steps the excess must be sustained: the 3rd consecutive sample at the agent's "
-        "default of one layer sample per 20 steps (one bad sample is noise, three are a "
-        "trend), and a few more samples where layers are sampled more often.",
+        0, "Steps the excess must also be sustained, on top of for_samples (0: samples only)."
     )
+    for_samples: int = _for_samples(3)
     resolve_steps: int = _resolve_steps(100)
     min_increase: float = Field(
         default=0.3,
@@ -197,9 +239,9 @@ class SilentUnderflow(RuleSettings):
 
 class UnderflowRisk(RuleSettings):
     for_steps: int = _for_steps(
-        40, "Steps the forecast must hold: the 3rd consecutive sample at the agent's default "
-        "of one layer sample per 20 steps."
+        0, "Steps the forecast must also hold, on top of for_samples (0: samples only)."
     )
+    for_samples: int = _for_samples(3)
     resolve_steps: int = _resolve_steps(100)
     max_flush_fraction: float = Field(
         default=0.1,
@@ -208,10 +250,20 @@ class UnderflowRisk(RuleSettings):
         description="Fire when this share of a layer's gradient elements would flush "
         "to zero in FP16 (|g*S| < 2^-24): a tenth of the signal about to vanish.",
     )
+    max_subnormal_fraction: float = Field(
+        default=0.5,
+        gt=0,
+        le=1,
+        description="...or when this share sits in FP16's subnormal range at the current "
+        "scale (2^-24 <= |g*S| < 2^-14): within 2^10 of flushing, already losing precision. "
+        "The forecast of a drift: a run whose loss normaliser grows showed 4% -> 60% -> 95% "
+        "over 20 steps, 25+ steps before its first layer froze.",
+    )
     only_with_loss_scale: bool = Field(
         default=True,
-        description="Judge only runs that report a loss scale (FP16 with a scaler): a "
-        "BF16/FP32 run's FP16 forecast is not a risk to it.",
+        description="Judge only runs that report a loss scale (FP16 with a scaler), or FP16 "
+        "runs without one (the agent's fp16_params_without_scaler finding; forecast at S = "
+        "1): a BF16/FP32 run's FP16 forecast is not a risk to it.",
     )
 
 
@@ -224,6 +276,99 @@ class ScaleFloorStall(RuleSettings):
         description="Fire when this many steps in a row were skipped at one unchanged scale: "
         "a scaler that halves on overflow would have fallen 2^50, so the scale sits at a "
         "floor (DeepSpeed/Megatron 1, OPT-175B run12 0.25) and training has stopped.",
+    )
+    floor_skips: int = Field(
+        default=3,
+        ge=2,
+        description="...or at once, after this many steps in a row skipped at one unchanged "
+        "scale of at most floor_max_scale: the scaler's own behaviour says it is floored "
+        "(DeepSpeed 'Attempted loss scale: 1, reducing to 1'); a hysteresis skip leaves the "
+        "scale unchanged only once.",
+    )
+    floor_max_scale: float = Field(
+        default=1.0,
+        ge=0,
+        description="Largest scale treated as a floor by floor_skips (DeepSpeed and Megatron "
+        "floor at 1; a scaler's configured floor above it is reached after window_steps).",
+    )
+
+
+class RollingSpike(RuleSettings):
+    """A value judged against the median of its own recent values (loss_spike,
+    grad_norm_spike): the fields both rules share."""
+
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    baseline_samples: int = Field(
+        default=32,
+        ge=1,
+        le=4096,
+        description="Baseline: the median of this many recent finite values (logged values: "
+        "one per step, or one per log interval; a grad norm only of applied steps). The "
+        "median ignores a few earlier spikes.",
+    )
+    min_baseline_samples: int = Field(
+        default=1,
+        ge=1,
+        description="Judge once this many values are in the baseline: logs often show a "
+        "value per 10 steps, and a jump of min_ratio (and min_increase) over the last one is "
+        "already rare in healthy training (BigScience tr8-104B: loss 6.44 -> 11.42 in 10 "
+        "steps, NaN later).",
+    )
+    z_threshold: float = Field(
+        default=6.0,
+        gt=0,
+        description="...and, once z_min_samples are in the baseline, a robust z-score (x - "
+        "median) / (1.4826 MAD) of at least this (OLMo-core flags 6 sigma).",
+    )
+    z_min_samples: int = Field(
+        default=16, ge=2, description="Baseline size from which the z-score is required."
+    )
+
+
+class LossSpike(RollingSpike):
+    min_ratio: float = Field(
+        default=1.3,
+        gt=1,
+        description="Fire when the loss is at least this many times its baseline median...",
+    )
+    min_increase: float = Field(
+        default=1.0,
+        ge=0,
+        description="...and at least this much above it (loss units: 1 nat of cross-entropy "
+        "is a large jump; a fine-tuning loss of 0.05 doubling is noise). 0 for other losses.",
+    )
+
+
+class GradNormSpike(RollingSpike):
+    min_ratio: float = Field(
+        default=10.0,
+        gt=1,
+        description="Fire when the grad norm is at least this many times its baseline median: "
+        "healthy norms wander by a few x (BigScience tr8-104B: 9e4 to 3e5); the spikes "
+        "before loss spikes are 10-100x (tr11-176B: 0.24 -> 15.9 two steps before the "
+        "loss spiked, tr8-104B: 2e5 -> 3.3e6).",
+    )
+    min_increase: float = Field(
+        default=0.0, ge=0, description="...and at least this much above it (norm units)."
+    )
+
+
+class OverflowBurst(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    min_skips: int = Field(
+        default=3,
+        ge=2,
+        description="Fire when this many steps in a row (no applied step between them) were "
+        "skipped within window_steps after calibration, whatever the scale: a healthy scaler "
+        "skips one step per overflow (two with DeepSpeed's hysteresis of 2) and the next "
+        "applies, so a third in a row is a storm (tr8b-104B: 6 of 7 at 2^20 -> 2^15, then "
+        "NaN; a floored scaler never falls below 1). Overflows with applied steps between "
+        "were each cured by a halving (DeepSpeed-Chat's reward model: 483, 486, 487, healthy).",
+    )
+    window_steps: int = Field(
+        default=8, ge=2, le=10_000, description="Window of the burst, in steps."
     )
 
 
@@ -251,7 +396,7 @@ RuleScope = Literal["run", "layer"]
 RuleName = Literal[
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
     "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
-    "clip_before_unscale",
+    "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst",
 ]  # fmt: skip
 
 
@@ -269,9 +414,9 @@ RULES: dict[str, Rule] = {
     for rule in (
         Rule(
             "loss_scale_collapse", "critical", "run", LossScaleCollapse,
-            "The dynamic loss scale fell below min_scale, fell by 2^fall_octaves within "
-            "window_steps without recovering, or max_consecutive_skips steps in a row were "
-            "skipped (warm-up calibration excepted).",
+            "The dynamic loss scale fell below min_scale (or skips at it) while still "
+            "falling, fell by 2^fall_octaves within window_steps without recovering, or "
+            "max_consecutive_skips steps in a row were skipped (warm-up calibration excepted).",
         ),
         Rule(
             "skip_rate", "warning", "run", SkipRate,
@@ -294,12 +439,13 @@ RULES: dict[str, Rule] = {
         Rule(
             "underflow_risk", "warning", "layer", UnderflowRisk,
             "A large share of a layer's scaled gradients would flush to zero in FP16 at the "
-            "current loss scale.",
+            "current loss scale, or sits in FP16's subnormal range (the forecast of a drift).",
         ),
         Rule(
             "scale_floor_stall", "critical", "run", ScaleFloorStall,
             "Every step of a window was skipped while the loss scale sat unchanged at a "
-            "floor: the process runs but training has stopped.",
+            "floor (at once after floor_skips at a scale <= floor_max_scale: 'reducing 1 to "
+            "1'): the process runs but training has stopped.",
         ),
         Rule(
             "no_data", "warning", "run", NoData,
@@ -319,6 +465,23 @@ RULES: dict[str, Rule] = {
             "clip_before_unscale", "warning", "run", Finding,
             "Gradients were clipped while still multiplied by the loss scale (clip before "
             "scaler.unscale_): the clip threshold is wrong by the scale factor.",
+        ),
+        Rule(
+            "loss_spike", "warning", "run", LossSpike,
+            "The loss of an applied (not skipped) step jumped far above its own rolling "
+            "median (min_ratio and min_increase, and a robust z once the baseline is long), at "
+            "any loss scale: divergences show in the loss before, or without, any change of "
+            "the scale. Warm-up calibration excepted.",
+        ),
+        Rule(
+            "grad_norm_spike", "warning", "run", GradNormSpike,
+            "The global gradient norm of an applied step is min_ratio times its own rolling "
+            "median or more: the spike that comes before a loss spike.",
+        ),
+        Rule(
+            "overflow_burst", "critical", "run", OverflowBurst,
+            "min_skips steps skipped within window_steps after warm-up calibration, at any "
+            "scale: an overflow storm (a resumed process's included).",
         ),
     )
 }  # fmt: skip

@@ -56,6 +56,9 @@ RULES = (
     "nan_loss",
     "fp16_without_scaler",
     "clip_before_unscale",
+    "loss_spike",
+    "grad_norm_spike",
+    "overflow_burst",
 )
 #: A labeled restart checkpoint precedes the precursor's onset by at least this many steps.
 #: The onset here is ground truth (where the rise began, at a 5% deviation), not a
@@ -93,6 +96,8 @@ class Label:
     collapse_before_floor: bool = False
     #: The restart advisor's recommendation is checked against `healthy_checkpoint`.
     check_advisor: bool = False
+    #: underflow_risk (the forecast) must fire before the first layer freezes.
+    forecast_before_freeze: bool = False
     # --- ground truth, measured from the run ---------------------------------------------
     collapse_step: int | None = None  # first step with loss_scale < 1.0
     precursor_step: int | None = None  # onset of the activation-norm rise
@@ -115,6 +120,8 @@ class Knobs:
     lr_growth_from: int = 1  # ... from this step on (a schedule gone wrong)
     #: (step from which it applies, divisor): the loss is divided by a global token count.
     loss_divisor: tuple[int, float] = (1, 1.0)
+    #: ... multiplied by this factor per step from then on (a normaliser that keeps growing).
+    loss_divisor_growth: float = 1.0
     overflow_steps: frozenset[int] = frozenset()  # loss x 1e30 at these steps
     nan_steps: frozenset[int] = frozenset()  # a NaN in the input embeddings at these steps
     clip_scaled: bool = False  # clip_grad_norm_ before scaler.unscale_ (the bug)
@@ -169,7 +176,8 @@ def train(scenario: Scenario, url: str, checkpoint_dir: Path, *, seed: int = 0) 
             if step in k.overflow_steps:
                 loss = loss * 1e30  # finite in FP32; its FP16 gradients overflow to Inf
             if step >= k.loss_divisor[0]:
-                loss = loss / k.loss_divisor[1]
+                growth = k.loss_divisor_growth ** (step - k.loss_divisor[0])
+                loss = loss / (k.loss_divisor[1] * growth)
             if scaler is not None:
                 scaler.scale(loss).backward()
                 if k.clip_scaled:
@@ -425,6 +433,21 @@ def check_fp16_no_scaler(obs: Observed, label: Label) -> list[str]:
     return problems
 
 
+def check_fp16_drift(obs: Observed, label: Label) -> list[str]:
+    problems = check_fp16_no_scaler_at(obs, label, DRIFT_ONSET)
+    first = label.first_frozen_step
+    if first is not None and first < DRIFT_ONSET + 20:
+        problems.append(f"a layer froze at {first}: too soon for a drift")
+    return problems
+
+
+def check_fp16_no_scaler_at(obs: Observed, label: Label, onset: int) -> list[str]:
+    problems = check_underflow(obs, label, onset=onset)
+    if "fp16_params_without_scaler" not in obs.findings():
+        problems.append("no fp16_params_without_scaler finding")
+    return problems
+
+
 def check_static_scale(obs: Observed, label: Label) -> list[str]:
     problems = check_underflow(obs, label, onset=None)
     scales = set(obs.series("loss_scale"))
@@ -515,6 +538,7 @@ def check_nan(obs: Observed, label: Label) -> list[str]:
 #: count of 2^16 (a large data-parallel batch), which puts FP16 gradients below 2^-24.
 UNDERFLOW_DIVISOR = 2.0**16
 UNDERFLOW_ONSET = 81  # the loss normalisation changes here (e.g. accumulation grew)
+DRIFT_ONSET, DRIFT_GROWTH = 40, 1.2  # a normaliser growing x1.2 per step from step 40
 #: The learning rate starts climbing (x1.2 per step) after this step: the cause, known to
 #: the scenario, against which the data-derived label is cross-checked.
 BLOWUP_FROM = 122
@@ -561,6 +585,21 @@ SCENARIOS: tuple[Scenario, ...] = (
         check_fp16_no_scaler,
     ),
     Scenario(
+        "fp16_drifting_underflow",
+        f"FP16 autocast, no scaler; from step {DRIFT_ONSET} the loss normaliser grows "
+        f"x{DRIFT_GROWTH} per step: gradients drift into FP16's subnormal range, then flush; "
+        "the forecast must page before the first layer freezes",
+        Knobs(scaler=None, loss_divisor=(DRIFT_ONSET, 1.0), loss_divisor_growth=DRIFT_GROWTH),
+        Label(
+            must_fire=frozenset({"fp16_without_scaler", "underflow_risk", "silent_underflow"}),
+            must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
+                                     "skip_rate", "clip_before_unscale", "no_data"}),
+            may_fire=frozenset({"grad_norm_spike", "loss_spike"}),
+            forecast_before_freeze=True,
+        ),
+        check_fp16_drift,
+    ),
+    Scenario(
         "static_scale_too_small",
         "FP16 + a GradScaler pinned at 4.0 (growth_interval 10^9) while the loss is divided "
         "by a global token count of 2^16: the scale is far too small, grads flush to zero",
@@ -584,7 +623,9 @@ SCENARIOS: tuple[Scenario, ...] = (
             must_fire=frozenset({"activation_norm_spike", "loss_scale_collapse"}),
             must_not_fire=frozenset({"fp16_without_scaler", "clip_before_unscale", "no_data",
                                      "silent_underflow", "underflow_risk"}),
-            may_fire=frozenset({"skip_rate", "nan_loss"}),
+            # The overflow storm and the loss / grad-norm spikes are this incident's too.
+            may_fire=frozenset({"skip_rate", "nan_loss", "overflow_burst", "loss_spike",
+                                "grad_norm_spike"}),
             collapse_before_floor=True,
             check_advisor=True,
         ),

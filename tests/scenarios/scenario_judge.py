@@ -16,7 +16,8 @@ from scenario_catalog import Label, Observed, Scenario, ground_truth, observe, t
 #: fp16_without_scaler or clip_before_unscale, which fire at the first step by design).
 INCIDENT_RULES = frozenset({
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
-    "underflow_risk", "scale_floor_stall", "nan_loss",
+    "underflow_risk", "scale_floor_stall", "nan_loss", "loss_spike", "grad_norm_spike",
+    "overflow_burst",
 })  # fmt: skip
 SEVERITIES = ("info", "warning", "critical")
 
@@ -160,6 +161,11 @@ def judge(o: Outcome) -> list[str]:
                 f"loss_scale_collapse fired at step {step}, not before the scale fell below "
                 f"1.0 at step {label.collapse_step}"
             )
+    if label.forecast_before_freeze:
+        step = o.first_step({"underflow_risk"})
+        if step is None or label.first_frozen_step is None or step >= label.first_frozen_step:
+            problems.append(f"underflow_risk fired at step {step}, not before the first layer "
+                            f"froze at step {label.first_frozen_step}")  # fmt: skip
     if label.check_advisor:
         if o.advisor is None:
             problems.append("no restart-candidates endpoint")

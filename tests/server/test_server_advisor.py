@@ -366,3 +366,36 @@ def test_min_loss_scale_follows_the_runs_collapse_settings(
     assert "loss scale 65536 < 100000" in by_step(answer)[100]["reasons"]
     # The query parameter still wins.
     assert client.get(url, params={"min_loss_scale": 1}).json()["recommended"]["step"] == 100
+
+
+def test_the_recommendation_names_the_data_to_skip(client: httpx.Client, crash_run: int) -> None:
+    from ampwatch.server.cli import format_restart_candidates
+
+    answer = client.get(f"/api/v1/runs/{crash_run}/restart-candidates").json()
+    skip = answer["skip_steps"]
+    # From the step after the recommended checkpoint (100) to the onset (152) + the margin.
+    assert (skip["start"], skip["end"]) == (101, 152 + 20)
+    assert "onset at step 152 (activation_norm_spike)" in skip["reason"]
+    assert "skip data: steps 101-172 (the batches from the checkpoint" in (
+        format_restart_candidates(answer))
+
+
+def test_never_a_checkpoint_at_or_after_the_first_non_finite_loss(
+    collector: Any, client: httpx.Client
+) -> None:
+    """A NaN loss with no alert at all (nan_loss off, say): checkpoints from its step on are
+    rejected; the one before it is recommended; a run without an incident skips nothing."""
+    steps = [step_record(s, loss=float("nan") if s == 230 else 2.0, loss_scale=65536.0,
+                         act_norm_mean=10.0) for s in range(300)]  # fmt: skip
+    events = [checkpoint(s, f"/n/{s}.pt") for s in (100, 200, 230, 260)]
+    batch = make_batch(0, client_run_id="nan-run", steps=steps, events=events)
+    response = client.post(INGEST_PATH, json=dict(batch))
+    run_id = int(response.json()["run_id"])
+    set_alerts(collector.database_url, run_id, [])  # whatever the engine said: none
+    answer = client.get(f"/api/v1/runs/{run_id}/restart-candidates").json()
+    verdicts = {c["step"]: c for c in answer["candidates"]}
+    assert answer["recommended"]["step"] == 200
+    for step in (230, 260):
+        assert verdicts[step]["verdict"] == "rejected"
+        assert any("first non-finite loss (step 230)" in r for r in verdicts[step]["reasons"])
+    assert answer["skip_steps"] is None  # no incident reached critical

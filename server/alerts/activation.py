@@ -1,0 +1,126 @@
+"""`activation_norm_spike`: the final layer's activation norm against its own robust rolling
+baseline (median and MAD of the last `baseline_steps` finite norms, computed per step and
+vectorised over a batch), escalated to critical when the loss scale falls with it (the
+OPT-175B divergence signature)."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import numpy as np
+
+from ampwatch.agent.wire import decode_float
+from ampwatch.server.alerts import rules
+from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.numbers import fmt
+from ampwatch.server.alerts.state import StepState
+from ampwatch.server.schemas import StepIn
+
+
+def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
+    other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
+    raw = getattr(record, rule.signal)
+    if raw is None:
+        raw = getattr(record, other)
+    return decode_float(raw) if raw is not None else None
+
+
+def act_baselines(
+    ring: list[float], values: list[float | None], rule: rules.ActivationNormSpike
+) -> list[tuple[float, float] | None]:
+    """For each step's `values`, the (median, scaled MAD) of the finite norms of the
+    `baseline_steps` steps before it (the ring, then this batch's own), or None while too
+    few. Computed per step, so a batch boundary never changes a baseline; vectorised over
+    the steps whose window is full (all but a run's first `baseline_steps`)."""
+    if not values:
+        return []
+    finite = [v for v in values if v is not None and math.isfinite(v)]
+    series = np.asarray(ring + finite, dtype=np.float64)
+    ends = np.empty(len(values), dtype=np.intp)  # window end (exclusive) of each step
+    end = len(ring)
+    for i, value in enumerate(values):
+        ends[i] = end
+        if value is not None and math.isfinite(value):
+            end += 1
+    width = rule.baseline_steps
+    out: list[tuple[float, float] | None] = [None] * len(values)
+    full = np.flatnonzero(ends >= width)
+    if full.size:
+        windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[full] - width]
+        medians = np.median(windows, axis=1)
+        mads = 1.4826 * np.median(np.abs(windows - medians[:, None]), axis=1)
+        for i, median, mad in zip(full.tolist(), medians.tolist(), mads.tolist()):
+            out[i] = (median, mad)
+    for i in np.flatnonzero(ends < width).tolist():
+        if ends[i] >= rule.min_baseline_steps:
+            window = series[: ends[i]]
+            median = float(np.median(window))
+            out[i] = (median, 1.4826 * float(np.median(np.abs(window - median))))
+    return out
+
+
+def _scale_falling(d: StepState, s: int, rule: rules.ActivationNormSpike) -> bool:
+    """The loss scale fell by 2^scale_fall_octaves within the last scale_fall_window steps."""
+    octaves = sum(o for step, o in d.falls if s - step <= rule.scale_fall_window)
+    return bool(octaves >= rule.scale_fall_octaves)
+
+
+def activation_spike(
+    tracker: Tracker,
+    d: StepState,
+    s: int,
+    value: float,
+    baseline: tuple[float, float] | None,
+    rule: rules.ActivationNormSpike,
+) -> None:
+    falling = _scale_falling(d, s, rule)
+    # The scale falls just after a spike: the same incident, now the OPT-175B signature.
+    recent_spike = d.last_spike is not None and s - d.last_spike <= rule.scale_fall_window
+    if (d.last_fall == s and falling and recent_spike
+            and tracker.is_open("activation_norm_spike")):  # fmt: skip
+        tracker.holds("activation_norm_spike", s, lambda: _escalated(d), severity="critical")
+    # A non-finite norm is a NaN/Inf forward pass: nan_loss's (or the skip's) business,
+    # not a spike; it neither holds nor clears this rule.
+    if baseline is None or d.calibrating or not math.isfinite(value):
+        return
+    median, mad = baseline
+    spiking = value >= rule.min_ratio * median and (
+        mad == 0 or (value - median) / mad > rule.z_threshold
+    )
+    if not spiking:
+        tracker.clear("activation_norm_spike", s)
+        return
+    d.last_spike = s
+    d.last_spike_value = value
+    z = (value - median) / mad if mad > 0 else None
+    severity = "critical" if falling else "warning"
+    scale, last_fall = d.scale, d.last_fall
+
+    def detail() -> tuple[str, dict[str, Any]]:
+        message = (
+            f"final-layer activation norm {fmt(value)} at step {s} is "
+            f"{value / median if median > 0 else math.inf:.1f}x its rolling median "
+            f"{fmt(median)}" + (f" (robust z {z:.0f})" if z is not None else "")
+        )
+        if falling:
+            message += (f" while the loss scale is falling (to {fmt(scale)} at step "
+                        f"{last_fall}): the OPT-175B divergence signature")  # fmt: skip
+        return message, {
+            "act_norm": value,
+            "baseline_median": median, "baseline_mad": mad, "robust_z": z, "step": s,
+            "signal": rule.signal, "loss_scale": scale, "scale_fall_step": last_fall,
+        }  # fmt: skip
+
+    tracker.holds("activation_norm_spike", s, detail, severity=severity)
+
+
+def _escalated(d: StepState) -> tuple[str, dict[str, Any]]:
+    value, spike, fall, scale = d.last_spike_value, d.last_spike, d.last_fall, d.scale
+    return (
+        (
+            f"final-layer activation norm spiked to {value} at step {spike} and the loss scale "
+            f"fell to {fmt(scale)} at step {fall}: the OPT-175B divergence signature"
+        ),
+        {"act_norm": value, "step": spike, "loss_scale": scale, "scale_fall_step": fall},
+    )

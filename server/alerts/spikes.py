@@ -1,0 +1,232 @@
+"""The scalar rules that read a short recent past: loss and grad-norm spikes, overflow bursts,
+and whether a low loss scale is still falling.
+
+Why these exist (issue #13, replaying public training logs): real divergences show in the
+loss or the grad norm before, or without, any change of the loss scale (BigScience
+tr8-104B: the loss x1.8 at a constant scale, NaN later); a burst of skips is a storm at any
+absolute scale (tr8b-104B: 6 of 7 steps skipped at 2^20 after a resume, then NaN), which a
+500-step skip rate averages away; and a scale below 1.0 is a collapse only while it falls
+(a fairseq run sits at 0.5 for thousands of steps, healthy).
+
+The state is one dataclass, `RecentState`, serialised in one place (`from_json` /
+`to_json`) under the ``recent`` key of the engine's ``steps`` state. It is bounded whatever
+the run's length: each baseline holds at most its rule's `baseline_samples` values, the
+window at most `window_width` steps.
+
+>>> state = RecentState.from_json(None)
+>>> state.observe(10, 4096.0, False, width=50)
+>>> state.fall_octaves(11, 1024.0, width=50)
+2.0
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+import numpy as np
+
+from ampwatch.server.alerts import rules
+
+Detail = Callable[[], tuple[str, dict[str, Any]]]
+
+
+@dataclass
+class RecentState:
+    """Recent finite losses and grad norms (the spike baselines), and the last steps'
+    (step, loss scale, skipped) for the burst and trend tests."""
+
+    losses: list[float] = field(default_factory=list)
+    grad_norms: list[float] = field(default_factory=list)
+    window: list[list[Any]] = field(default_factory=list)
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> RecentState:
+        data = data or {}
+        return cls(losses=list(data.get("losses", [])), grad_norms=list(data.get("grad_norms", [])),
+                   window=[list(w) for w in data.get("window", [])])  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def observe(self, step: int, scale: float | None, skipped: bool, *, width: int) -> None:
+        """Add a step to the window and drop the steps older than `width`."""
+        self.window.append([step, scale, bool(skipped)])
+        cut = 0
+        while cut < len(self.window) and self.window[cut][0] <= step - width:
+            cut += 1
+        if cut:
+            del self.window[:cut]
+
+    def skipped_within(self, step: int, width: int, *, max_scale: float | None = None) -> list[int]:
+        """Skipped steps in (step - width, step], optionally only those at scale <= max_scale."""
+        return [s for s, scale, skipped in self.window if skipped and s > step - width
+                and (max_scale is None or (scale is not None and scale <= max_scale))]  # fmt: skip
+
+    def skipped_run(self, step: int, width: int) -> list[int]:
+        """The skipped steps in (step - width, step] after its last applied step: the
+        overflows that the scaler's halvings have not yet cured."""
+        run: list[int] = []
+        for s, _, skipped in reversed(self.window):
+            if s <= step - width or not skipped:
+                break
+            run.append(s)
+        return run[::-1]
+
+    def fall_octaves(self, step: int, scale: float, width: int) -> float:
+        """Halvings from the highest scale of the last `width` steps down to `scale`."""
+        scales = [w[1] for w in self.window if w[0] > step - width and w[1] is not None]
+        peak = max(scales, default=scale)
+        if scale <= 0:
+            return 128.0
+        return max(0.0, math.log2(peak / scale))
+
+
+def still_falling(
+    state: RecentState, step: int, scale: float, rule: rules.LossScaleCollapse
+) -> bool:
+    """A low scale is a collapse while it falls: 2^trend_octaves within trend_steps, or
+    trend_skips skipped steps at or below min_scale there."""
+    if state.fall_octaves(step, scale, rule.trend_steps) >= rule.trend_octaves:
+        return True
+    low_skips = state.skipped_within(step, rule.trend_steps, max_scale=rule.min_scale)
+    return bool(len(low_skips) >= rule.trend_skips)
+
+
+def window_width(settings: dict[str, rules.RuleSettings]) -> int:
+    collapse = settings["loss_scale_collapse"]
+    burst = settings["overflow_burst"]
+    assert isinstance(collapse, rules.LossScaleCollapse) and isinstance(burst, rules.OverflowBurst)
+    return int(max(collapse.trend_steps, burst.window_steps))
+
+
+@dataclass(frozen=True)
+class Spike:
+    """A value judged against the median of its baseline."""
+
+    value: float
+    median: float
+    mad: float  # scaled (1.4826 x MAD); 0 for a flat or short baseline
+    samples: int
+
+    @property
+    def ratio(self) -> float:
+        return self.value / self.median if self.median > 0 else math.inf
+
+    @property
+    def z(self) -> float | None:
+        return (self.value - self.median) / self.mad if self.mad > 0 else None
+
+
+def judge_spike(
+    baseline: list[float],
+    value: float,
+    *,
+    min_samples: int,
+    min_ratio: float,
+    min_increase: float,
+    z_threshold: float,
+    z_min_samples: int,
+) -> tuple[bool | None, Spike | None]:
+    """(spiking, the judgement); (None, None) while the baseline is too short."""
+    if len(baseline) < min_samples:
+        return None, None
+    window = np.asarray(baseline, dtype=np.float64)
+    median = float(np.median(window))
+    mad = 1.4826 * float(np.median(np.abs(window - median))) if len(window) > 1 else 0.0
+    spike = Spike(value, median, mad, len(window))
+    spiking = value >= min_ratio * median and value - median >= min_increase
+    if spiking and len(window) >= z_min_samples and mad > 0:
+        spiking = (value - median) / mad >= z_threshold
+    return spiking, spike
+
+
+def _learn(baseline: list[float], value: float, size: int) -> None:
+    baseline.append(value)
+    if len(baseline) > size:
+        del baseline[: len(baseline) - size]
+
+
+def _fmt(value: float) -> str:
+    return f"{value:.4g}"
+
+
+def loss_spike(
+    tracker: Any, state: RecentState, s: int, loss: float | None, skipped: bool, judged: bool,
+    rule: rules.LossSpike,
+) -> None:  # fmt: skip
+    """Judge an applied step's loss, then learn it. A non-finite loss is nan_loss's; a
+    skipped step's did not train the model (a corrupted batch's huge loss overflowing its
+    gradients is one skip the scaler handles), and a storm of them is overflow_burst's."""
+    if loss is not None and not skipped and math.isfinite(loss):
+        _judge_and_learn(tracker, "loss_spike", "loss", state.losses, s, loss, judged, rule)
+
+
+def grad_norm_spike(
+    tracker: Any, state: RecentState, s: int, norm: float | None, skipped: bool, judged: bool,
+    rule: rules.GradNormSpike,
+) -> None:  # fmt: skip
+    """Judge an applied step's grad norm (a skipped step's is Inf/NaN or a stale repeat)."""
+    if norm is not None and not skipped and math.isfinite(norm):
+        _judge_and_learn(tracker, "grad_norm_spike", "global grad norm", state.grad_norms, s,
+                         norm, judged, rule)  # fmt: skip
+
+
+def _judge_and_learn(
+    tracker: Any, name: str, what: str, baseline: list[float], s: int, value: float,
+    judged: bool, rule: rules.LossSpike | rules.GradNormSpike,
+) -> None:  # fmt: skip
+    if judged:
+        spiking, spike = judge_spike(baseline, value, min_samples=rule.min_baseline_samples,
+                                     min_ratio=rule.min_ratio, min_increase=rule.min_increase,
+                                     z_threshold=rule.z_threshold,
+                                     z_min_samples=rule.z_min_samples)  # fmt: skip
+        if spiking and spike is not None:
+            tracker.holds(name, s, _detail(what, s, spike))
+        elif spiking is not None:
+            tracker.clear(name, s)
+    _learn(baseline, value, rule.baseline_samples)
+
+
+def _detail(what: str, s: int, spike: Spike) -> Detail:
+    def detail() -> tuple[str, dict[str, Any]]:
+        z = spike.z
+        message = (f"{what} {_fmt(spike.value)} at step {s} is {spike.ratio:.1f}x its rolling "
+                   f"median {_fmt(spike.median)} over {spike.samples} values"
+                   + (f" (robust z {z:.0f})" if z is not None else ""))  # fmt: skip
+        return message, {"value": spike.value, "baseline_median": spike.median,
+                         "baseline_mad": spike.mad, "baseline_samples": spike.samples,
+                         "ratio": spike.ratio, "robust_z": z, "step": s}  # fmt: skip
+
+    return detail
+
+
+def overflow_burst(
+    tracker: Any, state: RecentState, s: int, scale: float | None, rule: rules.OverflowBurst
+) -> None:
+    """After calibration: min_skips skipped steps in a row within window_steps fire, at any
+    scale; an open burst then counts every skip in the window (its extent). An applied step
+    between two overflows shows that one halving cured the first (DeepSpeed-Chat's healthy
+    reward-model run skips 483, 486 and 487, then finishes); a run of them shows the
+    gradients outgrowing each halving (tr8b-104B, chinese-llama)."""
+    skips = state.skipped_within(s, rule.window_steps)
+    run = state.skipped_run(s, rule.window_steps)
+    if not tracker.is_open("overflow_burst") and len(run) < rule.min_skips:
+        skips = []  # not yet a storm: the skips so far were each cured by a halving
+    if len(skips) < rule.min_skips:
+        tracker.clear("overflow_burst", s)
+        return
+    count, first = len(skips), skips[0]
+
+    def detail() -> tuple[str, dict[str, Any]]:
+        return (
+            (f"{count} of the {s - first + 1} steps {first}-{s} were skipped (overflow) at loss "
+            f"scale {_fmt(scale) if scale is not None else 'unknown'}: an overflow storm, not "
+            "the single skip a healthy scaler makes per overflow"),
+            {"skipped": count, "first_skip_step": first, "step": s, "loss_scale": scale,
+             "window_steps": rule.window_steps},
+        )  # fmt: skip
+
+    tracker.holds("overflow_burst", s, detail, onset=first)

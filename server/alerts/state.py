@@ -1,0 +1,106 @@
+"""The scalar rules' state between batches: one dataclass, serialised in one place.
+
+Stored as the JSON of the run's ``steps`` `AlertState` row, one flat object whose keys are
+the field names (so a row written before a field existed still loads: missing keys take
+their defaults, unknown ones are dropped). Bounded whatever the run's length: the windows
+(`changes`, `skips`, `falls`, `act`, `recent`) are cut to their rules' widths as they move.
+
+>>> state = StepState.from_json(None)
+>>> state.calibrating, state.last_step
+(True, None)
+>>> StepState.from_json(state.to_json()) == state
+True
+"""
+
+from __future__ import annotations
+
+import copy
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+from ampwatch.server.alerts.spikes import RecentState
+
+
+@dataclass
+class StepState:
+    """What the scalar rules remember. The run-level part survives a new process; the
+    process part (`reset_process`) starts again with each one (a run start or resume)."""
+
+    # -- the run ---------------------------------------------------------------------------
+    #: The rank whose step records the scalar rules follow (the lowest that sent steps).
+    rank: int | None = None
+    #: The lifecycle's clear-since marks and layer-alert groups (`lifecycle.Tracker`).
+    clear: dict[str, int] = field(default_factory=dict)
+    groups: dict[str, Any] = field(default_factory=dict)
+    last_step: int | None = None
+    #: The last steps' finite final-layer activation norms: the spike baseline.
+    act: list[float] = field(default_factory=list)
+    #: The last step with Inf/NaN gradients (skipped or a non-finite loss).
+    last_skip: int | None = None
+    #: The run has reported a loss scale (FP16 with a scaler).
+    scale_seen: bool = False
+
+    # -- the process -----------------------------------------------------------------------
+    #: Warm-up calibration: a cascade that starts with the process, until a run of clean
+    #: steps (`rules.LossScaleCollapse`).
+    calibrating: bool = True
+    first_step: int | None = None
+    clean_run: int = 0
+    process_steps: int = 0
+    cascade: bool = False
+    #: The scale of the last step, and its change points within the fall window.
+    scale: float | None = None
+    changes: list[list[Any]] = field(default_factory=list)
+    skip_run: int = 0
+    skip_run_start: int | None = None
+    stall_run: int = 0
+    stall_start: int | None = None
+    stall_scale: float | None = None
+    #: Skipped steps within the skip-rate window, counted from this step.
+    skips: list[int] = field(default_factory=list)
+    counted_from: int | None = None
+    below_since: int | None = None
+    below_falling: bool = False
+    nan_since: int | None = None
+    last_fall: int | None = None
+    last_spike: int | None = None
+    last_spike_value: float | None = None
+    #: (step, octaves) of the scale's falls within the activation rule's window.
+    falls: list[list[Any]] = field(default_factory=list)
+    #: The longest run of skips of the current collapse incident, and where it began.
+    incident_skips: int = 0
+    incident_skips_from: int | None = None
+    recent: RecentState = field(default_factory=RecentState)
+    #: The process trains FP16 without a loss scaler (the agent's finding): its FP16
+    #: underflow forecast (at S = 1) is its own risk.
+    fp16_without_scaler: bool = False
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> StepState:
+        data = copy.deepcopy(data) if data else {}
+        names = {f.name for f in fields(cls)}
+        values = {k: v for k, v in data.items() if k in names and k != "recent"}
+        state = cls(**values)
+        state.recent = RecentState.from_json(data.get("recent"))
+        return state
+
+    def to_json(self) -> dict[str, Any]:
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent"}
+        out["recent"] = self.recent.to_json()
+        return copy.deepcopy(out)
+
+    def reset_process(self) -> None:
+        """A new training process (run start or resume): calibration starts again."""
+        fresh = StepState()
+        for f in fields(self):
+            if f.name not in _RUN_FIELDS:
+                setattr(self, f.name, getattr(fresh, f.name))
+
+    def follow_rank(self, rank: int) -> None:
+        """Follow another rank's steps from here: its own sequence, its own process."""
+        self.last_step, self.act, self.last_skip = None, [], None
+        self.reset_process()
+        self.rank = rank
+
+
+_RUN_FIELDS = frozenset({"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen"})
