@@ -14,7 +14,11 @@ import numpy as np
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.state import StepState
+from ampwatch.agent.wire import LAYER_STATS
 from ampwatch.server.schemas import LayerStatsIn
+
+#: The gradient statistics these rules read; a record with none of them is not a sample.
+GRADIENT_STATS = frozenset(LAYER_STATS)
 
 
 class LayerState:
@@ -108,6 +112,8 @@ class LayerSamples:
         risk = self.settings["underflow_risk"]
         assert isinstance(underflow, rules.SilentUnderflow)
         assert isinstance(risk, rules.UnderflowRisk)
+        if not GRADIENT_STATS.intersection(record.stats):
+            return  # FP8 readiness records (wire.FP8_STATS) say nothing of underflow
         d = self.steps
         s = record.step
         idx = state.indices(record.names, record.rank)

@@ -9,6 +9,8 @@ import pytest
 from alert_feed import Feed, calibration, finding, healthy, layer_sample
 from wire_batches import step_record
 
+from ampwatch.agent.wire import FP8_STATS
+
 
 def halving_skips(first: int, count: int, scale: float) -> list:
     """`count` consecutive skipped steps from `first`, each reporting half the last scale."""
@@ -306,3 +308,19 @@ def test_a_flapping_layer_replaces_its_pending_alert_within_one_batch(feed: Feed
     feed.send(healthy(700, 100), flapping)
     (alert,) = feed.alerts()
     assert (alert.status, alert.layer, alert.started_step) == ("pending", "fc1.weight", 760)
+
+
+def test_fp8_readiness_records_are_not_gradient_samples(feed: Feed) -> None:
+    """The agent sends FP8 readiness (wire.FP8_STATS) as layer-stats records named by the
+    same parameters and at the same steps as the gradient samples. Were one judged first,
+    it would mark the step as seen and the gradient sample after it would be ignored: a
+    frozen layer would never fire."""
+    fp8_stat = FP8_STATS[0]
+    for start in range(1, 301, 100):
+        samples = []
+        for s in range(start, start + 100, 20):
+            samples.append(layer_sample(s, {"norm.weight": 0.0, "fc.weight": 0.0}, stat=fp8_stat))
+            samples.append(layer_sample(s, {"norm.weight": 1.0, "fc.weight": 0.1}))
+        feed.send(healthy(start, 100), samples)
+    (alert,) = feed.alerts(rule="silent_underflow")
+    assert (alert.layer, alert.status, alert.started_step) == ("norm.weight", "firing", 1)
