@@ -235,6 +235,18 @@ class Fp8Sample:
         return out
 
 
+def _linear_weights(model: nn.Module) -> list[tuple[str, nn.Linear]]:
+    """Each nn.Linear with its weight's name as `named_parameters()` gives it, the name
+    the gradient statistics use: a tied weight (GPT-2's `lm_head` is `transformer.wte`'s)
+    is one tensor under one name, measured once, through the first Linear that uses it."""
+    names = {id(param): name for name, param in model.named_parameters()}
+    layers: dict[str, nn.Linear] = {}
+    for module in model.modules():
+        if isinstance(module, nn.Linear) and (name := names.get(id(module.weight))):
+            layers.setdefault(name, module)
+    return list(layers.items())
+
+
 class Fp8Monitor:
     """Samples every `every` steps (1, every+1, ...); `activations`: the inputs of each
     Linear in that step's graph-building forwards, through forward pre-hooks registered only
@@ -256,11 +268,7 @@ class Fp8Monitor:
     ) -> None:
         if isinstance(every, bool) or not isinstance(every, int) or every < 1:
             raise ValueError(f"fp8_stats_every must be an int >= 1, got {every!r}")
-        self._layers = [
-            (f"{name}.weight" if name else "weight", module)
-            for name, module in model.named_modules()
-            if isinstance(module, nn.Linear)
-        ]
+        self._layers = _linear_weights(model)
         self._every = every
         self._activations = activations
         self._rank = rank

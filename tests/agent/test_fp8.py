@@ -214,3 +214,36 @@ def test_the_agent_sends_weight_grad_and_activation_shares_from_an_fp16_loop(
         flushed = sum(round(direct(x, "e4m3", "tile")["flush"] * x.numel()) for x in batches)
         numel = sum(x.numel() for x in batches)
         assert act["stats"]["fp8_act_e4m3_tile_flush"][0] == flushed / numel
+
+
+def test_a_tied_weight_is_named_as_the_gradient_statistics_name_it(
+    collector: FakeCollector,
+) -> None:
+    """GPT-2 ties `lm_head.weight` to the embedding's: one tensor, which the gradient
+    statistics name `embed.weight` (named_parameters() names a shared tensor once). FP8
+    readiness must use that name too, or the run's layer list grows a second row for the
+    same tensor with no gradient statistics."""
+
+    class Tied(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(32, 16)
+            self.body = nn.Linear(16, 16)
+            self.head = nn.Linear(16, 32, bias=False)
+            self.head.weight = self.embed.weight
+
+        def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+            return self.head(torch.relu(self.body(self.embed(tokens))))
+
+    torch.manual_seed(0)
+    model = Tied()
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    handle = watch(model, optimizer, None, transport=collector, fp8_stats_every=1,
+                   layer_stats_every=1, flush_interval=0.05)  # fmt: skip
+    model(torch.randint(0, 32, (4, 8))).float().pow(2).mean().backward()
+    optimizer.step()
+    handle.detach(timeout=10)
+    gradient_names = set(collector.layer_stats()[0]["names"])
+    fp8_names = {name for r in collector.fp8_records() for name in r["names"]}
+    assert fp8_names == {"body.weight", "embed.weight"}
+    assert fp8_names <= gradient_names
