@@ -39,13 +39,33 @@ class Fp8Limits(BaseModel):
     format (defaults ~2x the rounding error of Gaussian data: 0.026 in E4M3, 0.052 in E5M2,
     measured by the agent's tests' data), so that only loss beyond rounding fails."""
 
-    max_flush: float = Field(0.01, ge=0, le=1)
-    max_saturate: float = Field(0.001, ge=0, le=1)
-    max_error_e4m3: float = Field(0.06, ge=0, le=10)
-    max_error_e5m2: float = Field(0.12, ge=0, le=10)
+    max_flush: float = Field(
+        0.01, ge=0, le=1,
+        description="A recipe fits a role when at most this share of its elements would "
+        "round to zero in FP8 (a per-tensor scale set by a few outliers flushes the rest).",
+    )  # fmt: skip
+    max_saturate: float = Field(
+        0.001, ge=0, le=1,
+        description="...and at most this share would saturate (clip at the format's max).",
+    )  # fmt: skip
+    max_error_e4m3: float = Field(
+        0.06, ge=0, le=10,
+        description="...and its relative L2 error in E4M3 is at most this (~2x the rounding "
+        "error of Gaussian data, 0.026), so only loss beyond rounding fails.",
+    )  # fmt: skip
+    max_error_e5m2: float = Field(
+        0.12, ge=0, le=10,
+        description="...and in E5M2 at most this (~2x its rounding error, 0.052).",
+    )  # fmt: skip
 
     def max_error(self, fmt: str) -> float:
         return self.max_error_e4m3 if fmt == "e4m3" else self.max_error_e5m2
+
+    def limit(self, metric: str, fmt: str) -> float:
+        """The limit of `metric` (wire.FP8_METRICS) in format `fmt`."""
+        if metric == "flush":
+            return self.max_flush
+        return self.max_saturate if metric == "saturate" else self.max_error(fmt)
 
 
 class RoleMeasure(BaseModel):
@@ -102,10 +122,16 @@ def _run_start(session: Session, run_id: int) -> dict[str, object]:
     return dict(data) if data else {}
 
 
-def declared_recipe(session: Session, run_id: int) -> str | None:
-    """The FP8 recipe the run's latest run_start declared (`watch(fp8_recipe=...)`)."""
-    recipe = _run_start(session, run_id).get("fp8_recipe")
+def recipe_of(run_start: dict[str, object]) -> str | None:
+    """The FP8 recipe a run_start event's data declares (`watch(fp8_recipe=...)`), if a
+    known one: the readiness view and the `fp8_risk` alert read it the same way."""
+    recipe = run_start.get("fp8_recipe")
     return recipe if isinstance(recipe, str) and recipe in wire.FP8_RECIPES else None
+
+
+def declared_recipe(session: Session, run_id: int) -> str | None:
+    """The FP8 recipe the run's latest run_start declared."""
+    return recipe_of(_run_start(session, run_id))
 
 
 def _thin(steps: list[int], limit: int) -> list[int]:
@@ -141,7 +167,7 @@ def _recipe_stats(recipe: str) -> list[tuple[str, str, str, str, str]]:
     ]
 
 
-def _scores(
+def recipe_scores(
     data: dict[tuple[str, int], np.ndarray], step: int, recipe: str, limits: Fp8Limits,
     n_layers: int,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
@@ -149,8 +175,7 @@ def _scores(
     by_role: dict[str, np.ndarray] = {}
     nan = np.full(n_layers, np.nan)
     for role, fmt, _, metric, stat in _recipe_stats(recipe):
-        limit = {"flush": limits.max_flush, "saturate": limits.max_saturate,
-                 "error": limits.max_error(fmt)}[metric]  # fmt: skip
+        limit = limits.limit(metric, fmt)
         ratio = data.get((stat, step), nan) / limit if limit > 0 else np.where(
             data.get((stat, step), nan) > 0, np.inf, 0.0)  # fmt: skip
         by_role[role] = np.fmax(by_role.get(role, nan), ratio)
@@ -213,10 +238,13 @@ def fp8_readiness(
     data = _read(session, run_id, rank, trend_stats, steps, len(names))
     latest = _read(session, run_id, rank, list(wire.FP8_STATS), [last], len(names))
     scores = {
-        recipe: [_scores(data, step, recipe, limits, len(names))[0] for step in steps]
+        recipe: [recipe_scores(data, step, recipe, limits, len(names))[0] for step in steps]
         for recipe in wire.FP8_RECIPES
     }
-    now = {recipe: _scores(latest, last, recipe, limits, len(names)) for recipe in wire.FP8_RECIPES}
+    now = {
+        recipe: recipe_scores(latest, last, recipe, limits, len(names))
+        for recipe in wire.FP8_RECIPES
+    }
     layers = []
     for i, name in enumerate(names):
         if np.isnan(now[PER_TENSOR][0][i]) and all(np.isnan(v[0][i]) for v in now.values()):

@@ -1,6 +1,7 @@
 """The FP8 readiness scenario shared by the collector and dashboard tests: a real CPU
 training loop whose layer 2 has three outlier output channels (2^22 times the others) and
-whose layer 0 is ordinary, watched by the real agent (FP8 samples at steps 1, 4, 7)."""
+whose layer 0 is ordinary, watched by the real agent (FP8 samples at steps 1, 4, 7), or its
+FP8 records alone (`outlier_records`) for the alert engine's tests."""
 
 from __future__ import annotations
 
@@ -8,7 +9,9 @@ import torch
 from torch import nn
 
 from ampwatch.agent import watch
+from ampwatch.agent.fp8 import Fp8Monitor
 from ampwatch.agent.transport import http_transport
+from ampwatch.agent.wire import LayerStatsRecord
 
 OUTLIER_ROWS = [3, 70, 200]
 SAMPLED = [1, 4, 7]
@@ -33,3 +36,27 @@ def train_outlier_run(url: str, run_id: str = "fp8") -> nn.Module:
             optimizer.step()
             optimizer.zero_grad()
     return model
+
+
+def outlier_records(steps: int, every: int, *, heal_at: int | None = None) -> list[LayerStatsRecord]:
+    """The real agent's FP8 records (`Fp8Monitor`, no transport) of the outlier model's SGD
+    steps 1..`steps`, sampled every `every`; from step `heal_at` on, the outlier channels
+    are scaled back to the others' size, so that layer fits per-tensor scaling again."""
+    model = outlier_model()
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    errors: list[BaseException] = []
+    monitor = Fp8Monitor(model, every=every, on_error=errors.append,
+                         to_host=lambda t: (t.clone(), None))  # fmt: skip
+    records: list[LayerStatsRecord] = []
+    for step in range(1, steps + 1):
+        if step == heal_at:
+            with torch.no_grad():
+                model[2].weight[OUTLIER_ROWS] /= 2.0**22
+        model(torch.randn(32, 64)).mean().backward()
+        sample = monitor.after_step(step)
+        optimizer.step()
+        optimizer.zero_grad()
+        if sample is not None:
+            records.extend(sample.records())
+    assert not errors, errors
+    return records

@@ -17,7 +17,8 @@ State (JSON, one row per key):
 
 The rules live by family: `scale` (collapse, floor stall, skip rate, nan_loss's message),
 `activation` (activation_norm_spike), `spikes` (loss / grad-norm spikes, overflow bursts,
-the falling-scale trend), `layers` (silent_underflow, underflow_risk). This module walks a
+the falling-scale trend), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
+against the recipe the run_start declares). This module walks a
 batch's steps in order and calls them. A new scalar rule: a settings class in `rules.py`,
 a function in its family's module called from `_evaluate_steps`, a README row.
 
@@ -39,12 +40,14 @@ from ampwatch.agent.wire import decode_float
 from ampwatch.server.alerts import rules, spikes
 from ampwatch.server.alerts.activation import act_baselines, act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
+from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
 from ampwatch.server.alerts.layers import LayerSamples, LayerState
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import finite
 from ampwatch.server.alerts.scale import loss_scale_collapse, nan_detail, scale_floor_stall
 from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
+from ampwatch.server.fp8_readiness import recipe_of
 from ampwatch.server.models import AlertState, Run
 from ampwatch.server.schemas import BatchIn, StepIn
 
@@ -82,12 +85,15 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None
 
     if tracker.is_open("no_data"):  # data arrived: the agent is reporting again
         tracker.resolve("no_data", steps_state.last_step or 0)
+    recipe = steps_state.fp8_recipe
     restarted = _apply_events(tracker, steps_state, batch, settings)
     layers_state = None
     if batch.layer_stats or (restarted is not None and LAYERS_KEY in rows):
         layers_state = LayerState(rows[LAYERS_KEY].data if LAYERS_KEY in rows else None)
         if restarted is not None:  # its samples start again from the resumed step
-            layers_state.last[layers_state.owner == restarted] = -1
+            layers_state.restart(restarted)
+        if steps_state.fp8_recipe != recipe:  # fp8_risk's counts were of the old recipe
+            layers_state.fp8_hits[:] = 0
     # One pass in step order: a layer sample is judged after the step records up to its
     # step and before later ones, so every rule sees the state as of its own step and the
     # alerts do not depend on how the agent cut its batches.
@@ -139,6 +145,11 @@ def _apply_events(
             restarted = rank
             for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
                 tracker.resolve(rule, step)
+            recipe = recipe_of(event.data)
+            if recipe != state.fp8_recipe:  # judged against another recipe, or none, now
+                state.fp8_recipe = recipe
+                for layer in tracker.open_layers(FP8_RULE):
+                    tracker.resolve(FP8_RULE, step, layer=layer)
         elif event.kind == "finding":
             code = str(event.data.get("code"))
             if code == "fp16_params_without_scaler":

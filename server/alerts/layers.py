@@ -1,8 +1,9 @@
 """The per-layer rules, `silent_underflow` and `underflow_risk`, and their state: compact
 arrays aligned with the run's layer names (owner rank, last sampled step, the zero-fraction
 baseline as an EWMA mean and mean absolute deviation, and each rule's count of consecutive
-raised samples, its `for_samples`). Samples are judged in step order as the engine walks a
-batch's steps (`LayerSamples.judge_until`)."""
+raised samples, its `for_samples`; `fp8_risk`'s own last FP8 sample and count, its rule in
+`alerts.fp8`). Samples are judged in step order as the engine walks a batch's steps
+(`LayerSamples.judge_until`)."""
 
 from __future__ import annotations
 
@@ -11,10 +12,11 @@ from typing import Any
 
 import numpy as np
 
+from ampwatch.agent.wire import LAYER_STATS
 from ampwatch.server.alerts import rules
+from ampwatch.server.alerts.fp8 import FP8_RECORD_STATS, fp8_risk
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.state import StepState
-from ampwatch.agent.wire import LAYER_STATS
 from ampwatch.server.schemas import LayerStatsIn
 
 #: The gradient statistics these rules read; a record with none of them is not a sample.
@@ -37,6 +39,8 @@ class LayerState:
         size = len(self.names)
         self.hits = np.asarray(data.get("hits", [0] * size), dtype=np.int64)
         self.risk_hits = np.asarray(data.get("risk_hits", [0] * size), dtype=np.int64)
+        self.fp8_last = np.asarray(data.get("fp8_last", [-1] * size), dtype=np.int64)
+        self.fp8_hits = np.asarray(data.get("fp8_hits", [0] * size), dtype=np.int64)
         self._last_names: list[str] = []
         self._last_indices = np.zeros(0, np.intp)
 
@@ -58,6 +62,8 @@ class LayerState:
             self.n = np.concatenate([self.n, np.zeros(k, np.int64)])
             self.hits = np.concatenate([self.hits, np.zeros(k, np.int64)])
             self.risk_hits = np.concatenate([self.risk_hits, np.zeros(k, np.int64)])
+            self.fp8_last = np.concatenate([self.fp8_last, np.full(k, -1, np.int64)])
+            self.fp8_hits = np.concatenate([self.fp8_hits, np.zeros(k, np.int64)])
         self._last_names = names
         self._last_indices = np.fromiter((self.index[name] for name in names), np.intp)
         return self._last_indices
@@ -73,7 +79,15 @@ class LayerState:
             "n": self.n.tolist(),
             "hits": self.hits.tolist(),
             "risk_hits": self.risk_hits.tolist(),
+            "fp8_last": self.fp8_last.tolist(),
+            "fp8_hits": self.fp8_hits.tolist(),
         }
+
+    def restart(self, rank: int) -> None:
+        """`rank` started a new process: its layers' samples start again from its step."""
+        owned = self.owner == rank
+        self.last[owned] = -1
+        self.fp8_last[owned] = -1
 
 
 class LayerSamples:
@@ -100,12 +114,19 @@ class LayerSamples:
         self.bad_steps: list[int] = [last_skip] if last_skip is not None else []
 
     def judge_until(self, step: int | None) -> None:
-        """Judge the samples of steps before `step` (None: all that are left)."""
+        """Judge the samples of steps before `step` (None: all that are left). An FP8
+        sample's roles (one record each) are of one step, so they are judged together."""
+        fp8: list[LayerStatsIn] = []
         while self.next < len(self.queue) and (step is None or self.queue[self.next].step < step):
             record = self.queue[self.next]
             self.next += 1
             assert self.state is not None
+            if FP8_RECORD_STATS.intersection(record.stats):
+                fp8.append(record)
             self._judge(record, self.state)
+        if fp8:
+            assert self.state is not None
+            fp8_risk(self.tracker, self.state, fp8, self.steps.fp8_recipe, self.settings)
 
     def _judge(self, record: LayerStatsIn, state: LayerState) -> None:
         underflow = self.settings["silent_underflow"]
@@ -213,7 +234,7 @@ def _silent_underflow(
                       ready=bool(hits[j] >= rule.for_samples))  # fmt: skip
     # Clear where judged, and where only the frozen test applies (no baseline yet).
     clear = (judged | (valid & ~has_baseline)) & ~firing
-    _clear_open(tracker, "silent_underflow", record, clear)
+    tracker.clear_layers("silent_underflow", record.step, record.names, clear)
 
 
 def _underflow_risk(
@@ -252,17 +273,4 @@ def _underflow_risk(
 
         tracker.holds("underflow_risk", s, detail, layer=name,
                       ready=bool(hits[j] >= rule.for_samples))  # fmt: skip
-    _clear_open(tracker, "underflow_risk", record, valid & ~risky)
-
-
-def _clear_open(tracker: Tracker, rule: str, record: LayerStatsIn, clear: np.ndarray) -> None:
-    """`rule` is clear at this sample for the layers in `clear`: tell the open ones (few;
-    looping over every layer of a 500-layer record for nothing cost milliseconds)."""
-    open_layers = tracker.open_layers(rule)
-    if not open_layers:
-        return
-    position = {name: j for j, name in enumerate(record.names)}
-    for layer in open_layers:
-        j = position.get(layer)
-        if j is not None and clear[j]:
-            tracker.clear(rule, record.step, layer=layer)
+    tracker.clear_layers("underflow_risk", record.step, record.names, valid & ~risky)

@@ -208,6 +208,19 @@ class Tracker:
                 return
         self.resolve(rule, step, layer=layer)
 
+    def clear_layers(self, rule: str, step: int, names: list[str], clear: Any) -> None:
+        """`rule` is clear at `step` for the layers `names` where the boolean array `clear`
+        is: tell the open ones (few; looping over every layer of a 500-layer record for
+        nothing cost milliseconds)."""
+        open_layers = self.open_layers(rule)
+        if not open_layers:
+            return
+        position = {name: j for j, name in enumerate(names)}
+        for layer in open_layers:
+            j = position.get(layer)
+            if j is not None and clear[j]:
+                self.clear(rule, step, layer=layer)
+
     def resolve(self, rule: str, step: int, *, layer: str = "") -> None:
         """Resolve (`rule`, `layer`) now, whatever its hysteresis: the cause is gone."""
         key = (rule, layer)

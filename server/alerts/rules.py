@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ampwatch.server.fp8_readiness import Fp8Limits
 from ampwatch.server.models import Severity
 
 _FOR = "Steps the condition must hold (from its onset) before the alert fires."
@@ -267,6 +268,32 @@ class UnderflowRisk(RuleSettings):
     )
 
 
+class Fp8Risk(RuleSettings, Fp8Limits):
+    """The limits of "fits" are the FP8 readiness view's own (`Fp8Limits`: one home for the
+    rule), overridable here like any threshold."""
+
+    for_steps: int = _for_steps(
+        0, "Steps the excess must also be sustained, on top of for_samples (0: samples only)."
+    )
+    for_samples: int = Field(
+        default=2,
+        ge=1,
+        le=10_000,
+        description="Consecutive FP8 samples of the layer the recipe must fail on before the "
+        "alert fires: one sample can catch one unusual batch (its activations and "
+        "gradients); two, fp8_stats_every apart (400 steps at the agent's default of one "
+        "sample per 200), are the layer's state.",
+    )
+    resolve_steps: int = _resolve_steps(200)
+    max_score: float = Field(
+        default=1.0,
+        gt=0,
+        description="Fire when the layer's score under the run's declared recipe (its worst "
+        "role's worst flush / saturate / error share as a multiple of that limit) exceeds "
+        "this: 1, the recipe no longer fits the layer (the readiness view's verdict).",
+    )
+
+
 class ScaleFloorStall(RuleSettings):
     for_steps: int = _for_steps(0)
     resolve_steps: int = _resolve_steps(10)
@@ -396,7 +423,7 @@ RuleScope = Literal["run", "layer"]
 RuleName = Literal[
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
     "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
-    "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst",
+    "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst", "fp8_risk",
 ]  # fmt: skip
 
 
@@ -482,6 +509,13 @@ RULES: dict[str, Rule] = {
             "overflow_burst", "critical", "run", OverflowBurst,
             "min_skips steps skipped within window_steps after warm-up calibration, at any "
             "scale: an overflow storm (a resumed process's included).",
+        ),
+        Rule(
+            "fp8_risk", "warning", "layer", Fp8Risk,
+            "Under the FP8 recipe the run declares (watch(fp8_recipe=...)), a share of a "
+            "layer's weight, gradient or input activation would flush, saturate or lose "
+            "precision beyond its limit (the FP8 readiness view's 'does not fit'). Runs that "
+            "declare no recipe are not judged.",
         ),
     )
 }  # fmt: skip

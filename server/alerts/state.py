@@ -39,6 +39,8 @@ class StepState:
     last_skip: int | None = None
     #: The run has reported a loss scale (FP16 with a scaler).
     scale_seen: bool = False
+    #: The FP8 recipe the followed rank's latest run_start declared (`fp8_risk`), if any.
+    fp8_recipe: str | None = None
 
     # -- the process -----------------------------------------------------------------------
     #: Warm-up calibration: a cascade that starts with the process, until a run of clean
@@ -103,4 +105,5 @@ class StepState:
         self.rank = rank
 
 
-_RUN_FIELDS = frozenset({"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen"})
+_RUN_FIELDS = frozenset({"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen",
+                         "fp8_recipe"})  # fmt: skip

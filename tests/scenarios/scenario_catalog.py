@@ -59,6 +59,7 @@ RULES = (
     "loss_spike",
     "grad_norm_spike",
     "overflow_burst",
+    "fp8_risk",
 )
 #: A labeled restart checkpoint precedes the precursor's onset by at least this many steps.
 #: The onset here is ground truth (where the rise began, at a 5% deviation), not a

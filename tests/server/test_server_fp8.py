@@ -26,6 +26,7 @@ def test_outlier_channels_need_finer_scaling_and_a_plain_layer_fits_every_recipe
             (run,) = http.get("/runs").json()["runs"]
             answer = http.get(f"/runs/{run['id']}/fp8-readiness").json()
             advice = http.get(f"/runs/{run['id']}/loss-scale-advice").json()
+            alerts = http.get(f"/runs/{run['id']}/alerts").json()["alerts"]
 
     assert answer["step"] == 7 and answer["steps"] == SAMPLED
     assert answer["declared_recipe"] == "per_tensor"
@@ -50,6 +51,14 @@ def test_outlier_channels_need_finer_scaling_and_a_plain_layer_fits_every_recipe
     assert set(plain["recipes"]["per_tensor"]["roles"]) == {"weight", "grad", "act"}
     assert all(p <= 1 for series in plain["trend"].values() for p in series)
     assert plain["reason"].startswith("fits every limit")
+
+    # The run declares per-tensor scaling: fp8_risk fires for the outlier layer at its 2nd
+    # FP8 sample (step 4), with the view's own numbers, and not for the layer that fits.
+    (alert,) = alerts
+    assert (alert["rule"], alert["layer"], alert["status"]) == ("fp8_risk", "2.weight", "firing")
+    assert (alert["started_step"], alert["fired_step"]) == (1, 4)
+    assert alert["values"]["recipe"] == "per_tensor" and alert["values"]["value"] > 0.9
+    assert "its weight (E4M3, per-tensor)" in alert["message"]
 
     # An FP32 run without a scaler: the advice says it does not apply, and why.
     assert advice["applies"] is False and "not FP16" in advice["why"]
