@@ -309,7 +309,12 @@ def test_several_optimizers_record_the_first_ones_step(live_collector) -> None:
     assert stored["run"]["status"] == "ended"
     assert_matches(stored, truth)
     assert stored["steps"]["lr_groups"] == model.lr_groups
-    assert set(stored["layers"]["layers"]) == {n for n, _ in model.disc.named_parameters(prefix="disc")}
+    # The gradient statistics are the first optimizer's (the run's layer list also names
+    # the generator's Linear weights: their FP8 readiness records).
+    layers = stored["layers"]
+    with_gradients = {name for i, name in enumerate(layers["layers"])
+                      if any(row[i] is not None for row in layers["values"])}  # fmt: skip
+    assert with_gradients == {n for n, _ in model.disc.named_parameters(prefix="disc")}
 
 
 def test_ddp_rank0_sends_the_steps_and_every_rank_its_layer_statistics(
