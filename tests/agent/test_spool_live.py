@@ -207,7 +207,10 @@ trainer = Trainer(width=64, depth=1)
 handle = trainer.watch(url=sys.argv[1], run_id=sys.argv[2])
 trainer.train(120)
 deadline = time.monotonic() + 20
+# Steps keep coming until two batches are spooled: on a loaded machine the sender may seal
+# all 120 steps in its first batch, and with nothing new no second batch is ever sealed.
 while handle.counters.get("batches_spooled", 0) < 2 and time.monotonic() < deadline:
+    trainer.train(1)
     time.sleep(0.05)
 os.kill(os.getpid(), signal.SIGKILL)  # no detach, no atexit: the spool is left behind
 """
