@@ -71,7 +71,7 @@ def _query(database_url: str, sql: str) -> list[tuple[Any, ...]]:
 def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the collector"
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
         time.sleep(0.05)
 
 
@@ -110,7 +110,8 @@ def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     assert handle.step == STEPS
     counters = handle.counters
     assert counters["hook_errors"] == 0 and counters["batches_sent"] == 0
-    assert counters["batches_spooled"] >= 1
+    # The sender thread spools on its own time (after its retries): wait for it, bounded.
+    _wait_for(lambda: handle.counters["batches_spooled"] >= 1)
     assert list((spool_root / handle.client_run_id).glob("*.spool"))
     # loose: a noisy 2-core machine; the agent's own bar is measured by bench/
     assert statistics.median(w / b for w, b in steps) < 1.5
