@@ -739,8 +739,14 @@ def watch(
         start_step=start_step,
     )
     if fp8_stats_every and optimizers:
-        handle._fp8 = fp8.Fp8Monitor(model, every=fp8_stats_every, activations=fp8_activations,
-                                     rank=info["rank"], on_error=handle._on_error, to_host=_to_host)
+        handle._fp8 = fp8.Fp8Monitor(
+            model,
+            every=fp8_stats_every,
+            activations=fp8_activations,
+            rank=info["rank"],
+            on_error=handle._on_error,
+            to_host=_to_host,
+        )
         handle._detach_actions.append(handle._fp8.disarm)
     if accelerator is not None:
         from ampwatch.integrations.accelerate import tap_backward

@@ -85,11 +85,13 @@ VALUES_PER_TENSOR = _COMBOS * _PER_COMBO + 1 + len(wire.FP8_SPREAD_SCALINGS)
 def check_options(every: int | None, recipe: str | None) -> None:
     """Fail fast at attach time, with the fix in the message."""
     if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 0):
-        raise ValueError(f"fp8_stats_every must be an int >= 1, or None to turn it off, "
-                         f"got {every!r}")
+        raise ValueError(
+            f"fp8_stats_every must be an int >= 1, or None to turn it off, got {every!r}"
+        )
     if recipe is not None and recipe not in wire.FP8_RECIPES:
-        raise ValueError(f"fp8_recipe must be one of {sorted(wire.FP8_RECIPES)} or None, "
-                         f"got {recipe!r}")
+        raise ValueError(
+            f"fp8_recipe must be one of {sorted(wire.FP8_RECIPES)} or None, got {recipe!r}"
+        )
 
 
 def _grouped(a: torch.Tensor, scaling: str) -> torch.Tensor:
@@ -108,8 +110,10 @@ def _grouped(a: torch.Tensor, scaling: str) -> torch.Tensor:
     if pad_rows or pad_cols:
         a = torch.nn.functional.pad(a, (0, pad_cols, 0, pad_rows))
     r, c = a.shape
-    return a.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK).permute(0, 2, 1, 3).reshape(
-        r // BLOCK, c // BLOCK, BLOCK * BLOCK
+    return (
+        a.reshape(r // BLOCK, BLOCK, c // BLOCK, BLOCK)
+        .permute(0, 2, 1, 3)
+        .reshape(r // BLOCK, c // BLOCK, BLOCK * BLOCK)
     )
 
 
@@ -173,8 +177,9 @@ def quantisation_counts(x: torch.Tensor) -> torch.Tensor:
             spreads.append(spread)
     assert norm_sq is not None
     parts.append(norm_sq)
-    return torch.cat([torch.stack([p.to(torch.float64) for p in parts]),
-                      torch.stack(spreads).to(torch.float64)])
+    return torch.cat(
+        [torch.stack([p.to(torch.float64) for p in parts]), torch.stack(spreads).to(torch.float64)]
+    )
 
 
 def shares(values: Sequence[float], numel: int) -> dict[str, float]:
@@ -226,12 +231,14 @@ class Fp8Sample:
                 at += VALUES_PER_TENSOR
                 for suffix, value in shares(vector, numel).items():
                     stats.setdefault(f"fp8_{role}_{suffix}", []).append(value)
-            out.append({
-                "step": self.step,
-                "rank": self.rank,
-                "names": names,
-                "stats": {name: wire.encode_floats(v) for name, v in stats.items()},
-            })
+            out.append(
+                {
+                    "step": self.step,
+                    "rank": self.rank,
+                    "names": names,
+                    "stats": {name: wire.encode_floats(v) for name, v in stats.items()},
+                }
+            )
         return out
 
 
@@ -325,11 +332,14 @@ class Fp8Monitor:
 
         weights = [(n, m.weight) for n, m in self._layers if m.weight.numel()]
         add("weight", [(n, quantisation_counts(w), w.numel()) for n, w in weights])
-        add("grad", [
-            (n, quantisation_counts(w.grad), w.numel())
-            for n, w in weights
-            if w.grad is not None and not w.grad.is_sparse
-        ])
+        add(
+            "grad",
+            [
+                (n, quantisation_counts(w.grad), w.numel())
+                for n, w in weights
+                if w.grad is not None and not w.grad.is_sparse
+            ],
+        )
         add("act", [(n, *_fold(self._inputs[n])) for n, _ in self._layers if n in self._inputs])
         device = vectors[0].device
         flat = torch.cat([v.to(device, non_blocking=True) for v in vectors])

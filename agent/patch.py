@@ -10,7 +10,9 @@ from typing import Any
 _MISSING = object()
 
 
-def patch_method(obj: Any, name: str, make: Callable[[Callable[..., Any]], Any]) -> Callable[[], None]:
+def patch_method(
+    obj: Any, name: str, make: Callable[[Callable[..., Any]], Any]
+) -> Callable[[], None]:
     """Set `obj.name = make(original bound method)`; return the function that restores it.
 
     >>> class Engine:

@@ -98,8 +98,8 @@ def upload(
                     sleep(delay)
             else:
                 later = (b for rest in files[number + 1 :] for b in read_frames(rest))
-                report.unsent = 1 + sum(b is not None for b in frames) + sum(
-                    b is not None for b in later
+                report.unsent = (
+                    1 + sum(b is not None for b in frames) + sum(b is not None for b in later)
                 )
                 log(f"the collector at {url} is unreachable "
                     f"({reply[:200].decode(errors='replace')})")  # fmt: skip

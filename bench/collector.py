@@ -33,8 +33,10 @@ def start_server(
         "AMPWATCH_DASHBOARD": "true" if dashboard else "false",
         "AMPWATCH_WORKERS": str(workers),
     }
-    code = "from ampwatch.server.serving import serve; from ampwatch.server.settings import " \
+    code = (
+        "from ampwatch.server.serving import serve; from ampwatch.server.settings import "
         "Settings; serve(Settings())"
+    )
     process = subprocess.Popen([sys.executable, "-c", code], env=env)
     url = f"http://127.0.0.1:{port}"
     deadline = time.monotonic() + 60
@@ -72,5 +74,6 @@ def drop_postgres_database(database_url: str) -> None:
 
     name = make_url(database_url).database
     with psycopg.connect(POSTGRES_ADMIN_URL, autocommit=True) as admin:
-        admin.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(
-            sql.Identifier(name)))
+        admin.execute(
+            sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
+        )

@@ -34,10 +34,22 @@ from collector import start_server
 from query import populate
 
 CHROMIUM = Path("/usr/bin/chromium")
-CHROMIUM_ARGS = ["--headless", "--no-sandbox", "--disable-gpu", "--no-first-run",
-                 "--disable-background-networking", "--disable-component-update"]
-GRAPHS = ("loss-scale-graph", "skip-rate-graph", "grad-norm-graph", "activation-norm-graph",
-          "heatmap-graph", "alerts-graph")
+CHROMIUM_ARGS = [
+    "--headless",
+    "--no-sandbox",
+    "--disable-gpu",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+]
+GRAPHS = (
+    "loss-scale-graph",
+    "skip-rate-graph",
+    "grad-norm-graph",
+    "activation-norm-graph",
+    "heatmap-graph",
+    "alerts-graph",
+)
 BAR_MS = 2000.0
 FLOOR_RENDERED = """() => {
     const plot = document.querySelector('#compare-graph .js-plotly-plot');
@@ -119,24 +131,25 @@ def main() -> int:
         database_url = f"sqlite:///{Path(folder) / 'bench.db'}"
         started = time.perf_counter()
         populate(database_url, steps, layers)
-        print(f"stored {steps:,} steps x {layers} tensors in "
-              f"{time.perf_counter() - started:.0f} s")
+        print(f"stored {steps:,} steps x {layers} tensors in {time.perf_counter() - started:.0f} s")
         process, url = start_server(database_url, dashboard=True)
         try:
             with sync_playwright() as playwright:
-                browser = playwright.chromium.launch(executable_path=str(CHROMIUM),
-                                                     args=CHROMIUM_ARGS)
+                browser = playwright.chromium.launch(
+                    executable_path=str(CHROMIUM), args=CHROMIUM_ARGS
+                )
                 one_round(browser, url)  # warm the collector's caches and imports
                 results, floors = [], []
                 for i in range(rounds):
-                    ms, warm, in_app, data, assets, raw_data, raw_assets = one_round(
-                        browser, url)
+                    ms, warm, in_app, data, assets, raw_data, raw_assets = one_round(browser, url)
                     floors.append(startup_floor(browser, url))
                     results.append((ms, data, assets, warm, in_app, raw_data, raw_assets))
-                    print(f"round {i + 1}: first render {ms:6.0f} ms (scripts cached "
-                          f"{warm:5.0f} ms, from the runs list {in_app:5.0f} ms), data "
-                          f"{data / 1024:6.1f} KiB, scripts {assets / 1024:6.1f} KiB; "
-                          f"startup floor {floors[-1]:5.0f} ms")
+                    print(
+                        f"round {i + 1}: first render {ms:6.0f} ms (scripts cached "
+                        f"{warm:5.0f} ms, from the runs list {in_app:5.0f} ms), data "
+                        f"{data / 1024:6.1f} KiB, scripts {assets / 1024:6.1f} KiB; "
+                        f"startup floor {floors[-1]:5.0f} ms"
+                    )
                 browser.close()
         finally:
             process.terminate()
@@ -144,18 +157,24 @@ def main() -> int:
     median_ms = statistics.median(r[0] for r in results)
     median_data = statistics.median(r[1] for r in results)
     verdict = "ok" if median_ms <= BAR_MS else "OVER"
-    print(f"run page, {steps:,} steps x {layers} tensors: first render median "
-          f"{median_ms:.0f} ms (bar {BAR_MS:.0f} ms, {verdict}); data sent to the browser "
-          f"{median_data:,.0f} bytes ({median_data / 1024:.0f} KiB, "
-          f"{results[0][5] / 1024:.0f} KiB decoded), plus {results[0][2] / 1024:.0f} KiB "
-          f"of scripts on a cold cache ({results[0][6] / 1024:.0f} KiB decoded)")
-    print(f"with the scripts cached (a second visit): median "
-          f"{statistics.median(r[3] for r in results):.0f} ms; from a click in the runs "
-          f"list (the dashboard already open): median "
-          f"{statistics.median(r[4] for r in results):.0f} ms")
-    print(f"startup floor (an empty chart, same browser, same moment): median "
-          f"{statistics.median(floors):.0f} ms; the run page's own share "
-          f"{median_ms - statistics.median(floors):.0f} ms")
+    print(
+        f"run page, {steps:,} steps x {layers} tensors: first render median "
+        f"{median_ms:.0f} ms (bar {BAR_MS:.0f} ms, {verdict}); data sent to the browser "
+        f"{median_data:,.0f} bytes ({median_data / 1024:.0f} KiB, "
+        f"{results[0][5] / 1024:.0f} KiB decoded), plus {results[0][2] / 1024:.0f} KiB "
+        f"of scripts on a cold cache ({results[0][6] / 1024:.0f} KiB decoded)"
+    )
+    print(
+        f"with the scripts cached (a second visit): median "
+        f"{statistics.median(r[3] for r in results):.0f} ms; from a click in the runs "
+        f"list (the dashboard already open): median "
+        f"{statistics.median(r[4] for r in results):.0f} ms"
+    )
+    print(
+        f"startup floor (an empty chart, same browser, same moment): median "
+        f"{statistics.median(floors):.0f} ms; the run page's own share "
+        f"{median_ms - statistics.median(floors):.0f} ms"
+    )
     return 0 if median_ms <= BAR_MS else 1
 
 

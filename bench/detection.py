@@ -155,8 +155,10 @@ def report_real(v: real_logs.Verdict) -> list[str]:
     if label.kind == "incident":
         lead = v.lead
         verdict = "ALERTED" if v.caught() else "MISSED"
-        lines.append(f"  {verdict} by deadline {label.deadline_step}: first alert "
-                     f"{v.first_alert}, lead time {lead if lead is not None else '-'} steps")
+        lines.append(
+            f"  {verdict} by deadline {label.deadline_step}: first alert "
+            f"{v.first_alert}, lead time {lead if lead is not None else '-'} steps"
+        )
         peers = "  ".join(f"{name}={v.peer_caught(name) if v.peer_caught(name) is not None else '-'}"
                           for name in real_logs.PEERS)  # fmt: skip
         lines.append(f"  peers (first flag by the deadline)  {peers}")
@@ -166,8 +168,10 @@ def report_real(v: real_logs.Verdict) -> list[str]:
         lines.append(f"  peers' flags  {flagged or 'none'}")
     if v.excerpt.checkpoints and v.advisor is not None:
         picked = (v.advisor.get("recommended") or {}).get("step")
-        lines.append(f"  advisor  picked {picked} of {[c for c, _ in v.excerpt.checkpoints]}; "
-                     f"onset {v.advisor.get('onset_step')} ({v.advisor.get('onset_rule')})")
+        lines.append(
+            f"  advisor  picked {picked} of {[c for c, _ in v.excerpt.checkpoints]}; "
+            f"onset {v.advisor.get('onset_step')} ({v.advisor.get('onset_rule')})"
+        )
     for problem in v.problems():
         lines.append(f"  NOTE  {problem}")
     return lines
@@ -183,16 +187,21 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
              if v.peer_caught(peer) is not None
              and (v.first_alert is None or v.first_alert > v.peer_caught(peer))]  # fmt: skip
     lines = [
-        (f"real logs: {len(incidents)} incidents, {sum(v.caught() for v in incidents)} alerted by "
-        f"their deadline; lead times {[v.lead for v in incidents]}"),
+        (
+            f"real logs: {len(incidents)} incidents, {sum(v.caught() for v in incidents)} alerted by "
+            f"their deadline; lead times {[v.lead for v in incidents]}"
+        ),
         "false alerts on healthy excerpts ({:.0f} steps): ".format(
-            rates["ampwatch critical"]["healthy_steps"])
+            rates["ampwatch critical"]["healthy_steps"]
+        )
         + "; ".join(f"{k} {r['count']} ({r['per_10k']:.0f}/10k)" for k, r in rates.items()),
     ]
     healthy = [v for v in verdicts if v.label.kind == "healthy"]
     with_loss = sum(s.loss is not None for v in healthy for s in v.excerpt.steps)
-    lines.append(f"  healthy records with a loss value: {with_loss} (the loss-spike peers and "
-                 "loss_spike judge only these; the long DeepSpeed-Chat logs print no loss)")
+    lines.append(
+        f"  healthy records with a loss value: {with_loss} (the loss-spike peers and "
+        "loss_spike judge only these; the long DeepSpeed-Chat logs print no loss)"
+    )
     for name, peer, ours_at, theirs in later:
         lines.append(f"  later than a peer: {name}: {peer} at {theirs}, ampwatch at {ours_at}")
     peer_false = {k: r["count"] for k, r in rates.items() if not k.startswith("ampwatch")}
@@ -207,9 +216,15 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
     }
     known = [(n, p) for n, p, a, t in later
              if a is not None and a - t <= real_logs.KNOWN_LATER.get((n, p), -1)]  # fmt: skip
-    notes = {"no incident flagged by a peer before ampwatch": (
-        f" ({len(known)} of {len(later)} a measured trade-off, real_logs.KNOWN_LATER: "
-        + ", ".join(f"{n} vs {p}" for n, p in known) + ")") if known else ""}
+    notes = {
+        "no incident flagged by a peer before ampwatch": (
+            f" ({len(known)} of {len(later)} a measured trade-off, real_logs.KNOWN_LATER: "
+            + ", ".join(f"{n} vs {p}" for n, p in known)
+            + ")"
+        )
+        if known
+        else ""
+    }
     lines.append("real-log bars: " + "; ".join(f"{k} {'OK' if ok else 'MISSED'}{notes.get(k, '')}"
                                                 for k, ok in marks.items()))  # fmt: skip
     return all(marks.values()), lines
@@ -217,10 +232,18 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--only", nargs="+", metavar="SCENARIO",
-                        choices=[s.name for s in SCENARIOS], help="run only these scenarios, and not the real-log corpus")
-    parser.add_argument("--real-logs", action="store_true",
-                        help="only the real-log corpus, not the training scenarios")
+    parser.add_argument(
+        "--only",
+        nargs="+",
+        metavar="SCENARIO",
+        choices=[s.name for s in SCENARIOS],
+        help="run only these scenarios, and not the real-log corpus",
+    )
+    parser.add_argument(
+        "--real-logs",
+        action="store_true",
+        help="only the real-log corpus, not the training scenarios",
+    )
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
     chosen = [s for s in SCENARIOS if not args.real_logs and (not args.only or s.name in args.only)]
@@ -230,8 +253,11 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="ampwatch-detection-") as tmp:
         os.environ["AMPWATCH_SPOOL_DIR"] = str(Path(tmp) / "spool")  # never ~/.cache
         sock = bind_socket()
-        settings = Settings(database_url=f"sqlite:///{Path(tmp) / 'detection.db'}",
-                            port=sock.getsockname()[1], dashboard=False)
+        settings = Settings(
+            database_url=f"sqlite:///{Path(tmp) / 'detection.db'}",
+            port=sock.getsockname()[1],
+            dashboard=False,
+        )
         with BackgroundCollector(settings, sock=sock):
             for scenario in chosen:
                 outcome = run_scenario(scenario, settings.public_url, Path(tmp) / scenario.name)

@@ -56,12 +56,15 @@ def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], .
         x = torch.randn(rows, cols, device=device)
         quantisation_counts(x)
         seconds = _median_seconds(lambda x=x: quantisation_counts(x), calls, device)
-        print(f"  one tensor {rows}x{cols} ({rows * cols / 1e6:.2f}M values): "
-              f"{seconds * 1e3:.2f} ms  ({seconds / (rows * cols) * 1e9:.1f} ns/value)")
+        print(
+            f"  one tensor {rows}x{cols} ({rows * cols / 1e6:.2f}M values): "
+            f"{seconds * 1e3:.2f} ms  ({seconds / (rows * cols) * 1e9:.1f} ns/value)"
+        )
 
 
-def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT_EVERY
-           ) -> tuple[float, float]:
+def _block(
+    loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT_EVERY
+) -> tuple[float, float]:
     """(wall, process CPU) seconds of `steps` steps; the watched block's step 1 samples.
     CPU time counts every thread of this process (the sender's too, which flushes every
     second inside the block) and nothing of the other processes on a shared host. Attach
@@ -69,8 +72,13 @@ def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT
     model, optimizer, scaler, _ = loop
     handle = None
     if mode != "bare":
-        handle = watch(model, optimizer, scaler, transport=lambda body, headers: 200,
-                       fp8_stats_every=every if mode == "defaults" else None)
+        handle = watch(
+            model,
+            optimizer,
+            scaler,
+            transport=lambda body, headers: 200,
+            fp8_stats_every=every if mode == "defaults" else None,
+        )
     wall, cpu = time.perf_counter(), time.process_time()
     for step in range(steps):
         _train_step(loop, step)
@@ -81,8 +89,7 @@ def _block(loop: tuple, steps: int, mode: str, device: str, every: int = DEFAULT
     return times
 
 
-def sampled_step_extra(loop: tuple, pairs: int, steps: int, device: str
-                       ) -> dict[str, float]:
+def sampled_step_extra(loop: tuple, pairs: int, steps: int, device: str) -> dict[str, float]:
     """Median extra seconds per step of sampling FP8 every step (activations included)
     over the agent without FP8, from interleaved pairs of short blocks."""
     extra: dict[str, list[float]] = {"wall": [], "cpu": []}
@@ -110,18 +117,24 @@ def main() -> None:
         torch.set_num_threads(args.threads)
     steps = 10 if args.quick else DEFAULT_EVERY
     rounds = 1 if args.quick else args.rounds
-    print(f"torch {torch.__version__} on {args.device}, {torch.get_num_threads()} threads; "
-          f"M = {DEFAULT_EVERY}; {rounds} rounds of {steps}-step blocks per mode")
-    isolated_per_tensor(args.device, 2 if args.quick else args.calls,
-                        TENSOR_SIZES[:2] if args.quick else TENSOR_SIZES)
+    print(
+        f"torch {torch.__version__} on {args.device}, {torch.get_num_threads()} threads; "
+        f"M = {DEFAULT_EVERY}; {rounds} rounds of {steps}-step blocks per mode"
+    )
+    isolated_per_tensor(
+        args.device,
+        2 if args.quick else args.calls,
+        TENSOR_SIZES[:2] if args.quick else TENSOR_SIZES,
+    )
     rng = random.Random(0)
     for size in args.sizes:
         loop = _setup(size, args.device)
         model = loop[0]
         for step in range(3):
             _train_step(loop, step)
-        monitor = Fp8Monitor(model, activations=False, on_error=print,
-                             to_host=lambda t: (t.to("cpu"), None))
+        monitor = Fp8Monitor(
+            model, activations=False, on_error=print, to_host=lambda t: (t.to("cpu"), None)
+        )
         _train_step(loop, 0)
         linears = sum(1 for m in model.modules() if isinstance(m, torch.nn.Linear))
         sample = _median_seconds(lambda m=monitor: m._sample(1), args.calls, args.device)
@@ -134,22 +147,30 @@ def main() -> None:
                 blocks[mode].append(_block(loop, steps, mode, args.device))
         bare = {c: statistics.median(b[i] for b in blocks["bare"]) / steps
                 for i, c in enumerate(("wall", "cpu"))}  # fmt: skip
-        print(f"\n{size}: {linears} Linear layers; bare step {bare['wall'] * 1e3:.2f} ms "
-              f"(CPU {bare['cpu'] * 1e3:.2f} ms); one sample of weights + gradients "
-              f"{sample * 1e3:.1f} ms = {sample / bare['wall']:.2f} steps")
+        print(
+            f"\n{size}: {linears} Linear layers; bare step {bare['wall'] * 1e3:.2f} ms "
+            f"(CPU {bare['cpu'] * 1e3:.2f} ms); one sample of weights + gradients "
+            f"{sample * 1e3:.1f} ms = {sample / bare['wall']:.2f} steps"
+        )
         for clock in ("wall", "cpu"):
             derived = 1 + extra[clock] / (DEFAULT_EVERY * bare[clock])
-            print(f"  {clock}: a sampled step costs {extra[clock] * 1e3:.1f} ms more "
-                  f"(activations included) = {extra[clock] / bare[clock]:.2f} steps; at "
-                  f"M = {DEFAULT_EVERY}: step-time ratio {derived:.4f} (derived)")
+            print(
+                f"  {clock}: a sampled step costs {extra[clock] * 1e3:.1f} ms more "
+                f"(activations included) = {extra[clock] / bare[clock]:.2f} steps; at "
+                f"M = {DEFAULT_EVERY}: step-time ratio {derived:.4f} (derived)"
+            )
         for i, clock in enumerate(("wall", "cpu")):
             for mode in ("agent", "defaults"):
                 ratios = [b[i] / a[i] for b, a in zip(blocks[mode], blocks["bare"], strict=True)]
-                print(f"  {clock} {mode:8s} / bare median {statistics.median(ratios):.3f}  "
-                      f"rounds {[round(r, 3) for r in ratios]}")
+                print(
+                    f"  {clock} {mode:8s} / bare median {statistics.median(ratios):.3f}  "
+                    f"rounds {[round(r, 3) for r in ratios]}"
+                )
             added = [d[i] / a[i] for d, a in zip(blocks["defaults"], blocks["agent"], strict=True)]
-            print(f"  {clock} defaults / agent median {statistics.median(added):.3f} "
-                  "(what FP8 adds, measured)")
+            print(
+                f"  {clock} defaults / agent median {statistics.median(added):.3f} "
+                "(what FP8 adds, measured)"
+            )
 
 
 if __name__ == "__main__":

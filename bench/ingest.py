@@ -74,8 +74,9 @@ def make_body(run: str, seq: int, phase: Phase, rng: random.Random) -> bytes:
             "step": first + r * LAYER_EVERY,
             "rank": 0,
             "names": names,
-            "stats": {stat: [scale * rng.random() for _ in names]
-                      for stat, scale in HEALTHY_SCALE.items()},
+            "stats": {
+                stat: [scale * rng.random() for _ in names] for stat, scale in HEALTHY_SCALE.items()
+            },
         }
         for r in range(phase.layer_records_per_batch)
     ]
@@ -135,9 +136,7 @@ def count_stored(database_url: str, tag: str) -> tuple[int, int, int]:
     try:
         with engine.connect() as connection:
             mine = select(Run.id).where(Run.client_run_id.startswith(tag))
-            batches = connection.scalar(
-                select(func.count()).where(IngestedBatch.run_id.in_(mine))
-            )
+            batches = connection.scalar(select(func.count()).where(IngestedBatch.run_id.in_(mine)))
             steps = connection.scalar(select(func.count()).where(Step.run_id.in_(mine)))
             # Every packed row holds one value per layer of its run: count them exactly.
             values = connection.scalar(
@@ -205,8 +204,10 @@ def main() -> int:
         Phase("step-heavy", batches_per_agent=scale, steps_per_batch=2000,
               layer_records_per_batch=0),
     ]  # fmt: skip
-    print(f"{AGENTS} agents, {LAYERS} layers x {len(LAYER_STATS)} statistics, "
-          f"{os.cpu_count()} CPUs; bars: 1,000,000 values/s, 20,000 step records/s")
+    print(
+        f"{AGENTS} agents, {LAYERS} layers x {len(LAYER_STATS)} statistics, "
+        f"{os.cpu_count()} CPUs; bars: 1,000,000 values/s, 20,000 step records/s"
+    )
     ok = True
     if args.backend in ("sqlite", "both"):
         with tempfile.TemporaryDirectory() as folder:

@@ -65,8 +65,12 @@ def lightning_variant(
 
     class PlainAgent(Callback):  # type: ignore[misc]
         def on_train_start(self, trainer: Any, module: Any) -> None:
-            self.handle = watch(module, trainer.optimizers, trainer.precision_plugin.scaler,
-                                transport=lambda body, headers: 200)
+            self.handle = watch(
+                module,
+                trainer.optimizers,
+                trainer.precision_plugin.scaler,
+                transport=lambda body, headers: 200,
+            )
 
         def on_train_end(self, trainer: Any, module: Any) -> None:
             self.handle.detach()
@@ -80,16 +84,24 @@ def lightning_variant(
             callbacks.append(AmpwatchCallback(transport=lambda body, headers: 200))
         scaler = torch.amp.GradScaler("cpu")
         trainer = Trainer(
-            accelerator="cpu", devices=1, max_steps=steps + 1, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            gradient_clip_val=CLIP_NORM if CLIP["on"] else None, callbacks=callbacks,
+            accelerator="cpu",
+            devices=1,
+            max_steps=steps + 1,
+            logger=False,
+            enable_checkpointing=False,
+            enable_progress_bar=False,
+            enable_model_summary=False,
+            gradient_clip_val=CLIP_NORM if CLIP["on"] else None,
+            callbacks=callbacks,
             plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
         )
         trainer.fit(module, [0] * (steps + 1))
         return timer.times[1:]  # the first step holds attach-time work
 
-    print(f"torch {torch.__version__}, {torch.get_num_threads()} threads, Lightning variant, "
-          f"{rounds} rounds x {steps} steps per mode")
+    print(
+        f"torch {torch.__version__}, {torch.get_num_threads()} threads, Lightning variant, "
+        f"{rounds} rounds x {steps} steps per mode"
+    )
     for size in sizes:
         module = Net(size)
         fit(module, "bare")  # warm-up
@@ -118,5 +130,7 @@ def lightning_variant(
             times.append(time.perf_counter() - started)
         callback.handle.detach()
         cost = statistics.median(times)
-        print(f"  isolated: on_before_backward {cost * 1e6:.1f} us per micro-batch "
-              f"({100 * cost / medians['bare']:.3f}% of the bare step)")
+        print(
+            f"  isolated: on_before_backward {cost * 1e6:.1f} us per micro-batch "
+            f"({100 * cost / medians['bare']:.3f}% of the bare step)"
+        )

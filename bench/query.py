@@ -87,14 +87,20 @@ def timed(client: httpx.Client, path: str, calls: int, **params: object) -> tupl
 def bench_backend(name: str, database_url: str, steps: int, layers: int, calls: int) -> bool:
     started = time.perf_counter()
     populate(database_url, steps, layers)
-    print(f"{name:9} stored {steps:,} steps x {layers} layers in "
-          f"{time.perf_counter() - started:.0f} s")
+    print(
+        f"{name:9} stored {steps:,} steps x {layers} layers in "
+        f"{time.perf_counter() - started:.0f} s"
+    )
     process, url = start_server(database_url)
     layer = f"blocks.{(layers // 2) // 8}.layer{(layers // 2) % 8}.weight"
     queries = [
         ("downsampled steps (all fields)", "/steps", {}, 0.050),
-        ("downsampled series, zoom 10%", "/steps", {"start": steps // 2,
-                                                    "end": steps // 2 + steps // 10}, 0.050),
+        (
+            "downsampled series, zoom 10%",
+            "/steps",
+            {"start": steps // 2, "end": steps // 2 + steps // 10},
+            0.050,
+        ),
         ("one layer's series", f"/layers/{layer}/series", {"stat": "zero_fraction"}, 0.050),
         ("layers x steps heatmap", "/layers", {"stat": "zero_fraction"}, 0.300),
     ]
@@ -106,8 +112,10 @@ def bench_backend(name: str, database_url: str, steps: int, layers: int, calls: 
                 median, size = timed(client, path, calls, **params)
                 verdict = "ok" if median <= bar else "OVER"
                 ok &= median <= bar
-                print(f"{name:9} {label:32} median {median * 1000:7.1f} ms "
-                      f"(bar {bar * 1000:.0f} ms, {verdict})  {size / 1024:8.1f} KiB")
+                print(
+                    f"{name:9} {label:32} median {median * 1000:7.1f} ms "
+                    f"(bar {bar * 1000:.0f} ms, {verdict})  {size / 1024:8.1f} KiB"
+                )
     finally:
         process.terminate()
         process.wait(timeout=30)

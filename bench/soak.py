@@ -227,8 +227,9 @@ def training_under_kills(collector: CollectorProcess, database_url: str, kills: 
                     select(Run.id).where(Run.client_run_id == handle.client_run_id)
                 )
                 steps, distinct = connection.execute(
-                    select(func.count(), func.count(func.distinct(Step.step)))
-                    .where(Step.run_id == run_id)
+                    select(func.count(), func.count(func.distinct(Step.step))).where(
+                        Step.run_id == run_id
+                    )
                 ).one()
                 ends = connection.scalar(select(func.count()).where(
                     Event.run_id == run_id, Event.kind == "run_end"))  # fmt: skip

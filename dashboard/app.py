@@ -149,7 +149,8 @@ def create_dash_app(
     client = CollectorClient(api_url, transport=transport, token=token)
     bundle = plotly_bundle.cartesian_bundle()
     plotly_url = requests_pathname_prefix + (
-        BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js")
+        BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js"
+    )
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
@@ -161,11 +162,13 @@ def create_dash_app(
     # A run page's data is read while its HTML's scripts load (`prefetch`); the page's
     # layout takes it. Flask's request.path is the path below the mount's prefix.
     prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
-        lambda run_id: run.fetch_run_data(client, run_id))
+        lambda run_id: run.fetch_run_data(client, run_id)
+    )
 
     def prefetch() -> None:
         if flask.request.method == "GET" and (
-                match := RUN_PATH.match(flask.request.path.lstrip("/"))):
+            match := RUN_PATH.match(flask.request.path.lstrip("/"))
+        ):
             prefetcher.start(int(match.group(1)))
 
     app.server.before_request(prefetch)
@@ -182,8 +185,10 @@ def create_dash_app(
 
     if bundle:
         app.server.add_url_rule(
-            f"/{BUNDLE_ROUTE}", "plotly_bundle",
-            lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000))
+            f"/{BUNDLE_ROUTE}",
+            "plotly_bundle",
+            lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000),
+        )
 
     def page_at(pathname: str | None, search: str | None) -> Any:
         """The page at browser path `pathname` with query `search`."""
@@ -192,15 +197,22 @@ def create_dash_app(
             return runs.layout()
         if match := RUN_PATH.match(path):
             run_id = int(match.group(1))
-            return run.layout(run_id=run_id, client=client, data=prefetcher.take(run_id),
-                              fp8_href=href(app, fp8_path(run_id)))
+            return run.layout(
+                run_id=run_id,
+                client=client,
+                data=prefetcher.take(run_id),
+                fp8_href=href(app, fp8_path(run_id)),
+            )
         if match := FP8_PATH.match(path):
             run_id = int(match.group(1))
             return fp8.layout(run_id=run_id, client=client, back=href(app, run_path(run_id)))
         if match := LAYER_PATH.match(path):
             steps = query_ints(search, "step")
-            return layer.layout(run_id=int(match.group(1)), layer=unquote(match.group(2)),
-                                step=steps[0] if steps else None)
+            return layer.layout(
+                run_id=int(match.group(1)),
+                layer=unquote(match.group(2)),
+                step=steps[0] if steps else None,
+            )
         if path == "compare":
             return compare.layout(run_ids=query_ints(search, "runs"), client=client)
         return html.Div(
@@ -228,8 +240,10 @@ def create_dash_app(
                 dcc.Store(id=ids.PAGE_DRAWN, data=drawn),
                 dcc.Store(id=ids.ROUTE),
                 html.Nav(
-                    [dcc.Link("ampwatch", href=href(app, "/")),
-                     dcc.Link("compare", href=href(app, compare_path([])), className="nav")],
+                    [
+                        dcc.Link("ampwatch", href=href(app, "/")),
+                        dcc.Link("compare", href=href(app, compare_path([])), className="nav"),
+                    ],
                     className="topbar",
                 ),
                 html.Main(id=ids.PAGE, className="content", children=content),
@@ -248,13 +262,17 @@ def create_dash_app(
         prefix = app.config.requests_pathname_prefix
         # Dash also calls the layout function once for its own checks, in whatever
         # request comes first: only the layout's own request draws a page.
-        if (referrer and urlsplit(referrer).path.startswith(prefix)
-                and flask.request.path == "/_dash-layout"):
+        if (
+            referrer
+            and urlsplit(referrer).path.startswith(prefix)
+            and flask.request.path == "/_dash-layout"
+        ):
             try:
                 return shell(referrer)
             except Exception:  # a page's bug must not take the whole app down with it
-                log.exception("drawing %s into the initial layout failed; the router "
-                              "will draw it", referrer)
+                log.exception(
+                    "drawing %s into the initial layout failed; the router will draw it", referrer
+                )
         return shell()
 
     # Callbacks target ids that exist only once their page is shown; the validation
@@ -276,8 +294,7 @@ def create_dash_app(
         prevent_initial_call=True,
     )
 
-    @app.callback(Output(ids.PAGE, "children"), Input(ids.ROUTE, "data"),
-                  prevent_initial_call=True)
+    @app.callback(Output(ids.PAGE, "children"), Input(ids.ROUTE, "data"), prevent_initial_call=True)
     def route(where: dict[str, Any]) -> Any:
         return page_at(where.get("pathname"), where.get("search"))
 

@@ -125,13 +125,21 @@ class StepSeries:
         }
         skipped = [bool(s) for s in data.get("skipped") or [False] * len(steps)]
         counts = data.get("skipped_count") or [int(s) for s in skipped]
-        return cls(step=steps, skipped=skipped, skipped_count=[int(c) for c in counts],
-                   bucket_width=int(data.get("bucket_width") or 1), **floats)
+        return cls(
+            step=steps,
+            skipped=skipped,
+            skipped_count=[int(c) for c in counts],
+            bucket_width=int(data.get("bucket_width") or 1),
+            **floats,
+        )
 
     def to_json(self) -> dict[str, Any]:
-        data: dict[str, Any] = {"step": self.step, "skipped": self.skipped,
-                                "skipped_count": self.skipped_count,
-                                "bucket_width": self.bucket_width}
+        data: dict[str, Any] = {
+            "step": self.step,
+            "skipped": self.skipped,
+            "skipped_count": self.skipped_count,
+            "bucket_width": self.bucket_width,
+        }
         for name in STEP_FLOAT_FIELDS:
             data[name] = _encode_all(getattr(self, name))
         return data
@@ -174,10 +182,14 @@ class LayerMatrix:
     def to_json(self, *, decimals: int | None = None) -> dict[str, Any]:
         """The API's shape; `decimals` rounds finite values (a store for display needs no
         more than a colour's precision, and 0.1234 is a third of 0.12345678901234567)."""
-        rows = self.values if decimals is None else [
-            [v if v is None or not math.isfinite(v) else round(v, decimals) for v in row]
-            for row in self.values
-        ]
+        rows = (
+            self.values
+            if decimals is None
+            else [
+                [v if v is None or not math.isfinite(v) else round(v, decimals) for v in row]
+                for row in self.values
+            ]
+        )
         return {
             "stat": self.stat,
             "layers": self.layers,
@@ -257,13 +269,12 @@ class LayerHistograms:
 
     def merged(self, other: LayerHistograms) -> LayerHistograms:
         """Both sets of histograms, ordered by step (`other` wins a step both hold)."""
-        by_step = {s: (o, c) for s, o, c in zip(self.steps, self.offsets, self.counts,
-                                                strict=True)}
-        by_step.update(zip(other.steps, zip(other.offsets, other.counts, strict=True),
-                           strict=True))
+        by_step = {s: (o, c) for s, o, c in zip(self.steps, self.offsets, self.counts, strict=True)}
+        by_step.update(zip(other.steps, zip(other.offsets, other.counts, strict=True), strict=True))
         steps = sorted(by_step)
-        return LayerHistograms(self.layer, steps, [by_step[s][0] for s in steps],
-                               [by_step[s][1] for s in steps])
+        return LayerHistograms(
+            self.layer, steps, [by_step[s][0] for s in steps], [by_step[s][1] for s in steps]
+        )
 
 
 @dataclass(frozen=True)
@@ -331,8 +342,11 @@ class RestartCandidate:
         )
 
     def to_json(self) -> dict[str, Any]:
-        return {**asdict(self), "loss_scale": encode_float(self.loss_scale),
-                "act_norm": encode_float(self.act_norm)}
+        return {
+            **asdict(self),
+            "loss_scale": encode_float(self.loss_scale),
+            "act_norm": encode_float(self.act_norm),
+        }
 
 
 @dataclass(frozen=True)
@@ -361,7 +375,8 @@ class RestartAdvice:
             "onset_step": self.onset_step,
             "onset_rule": self.onset_rule,
             "margin_steps": self.margin_steps,
-            "recommended": None if self.recommended_step is None
+            "recommended": None
+            if self.recommended_step is None
             else {"step": self.recommended_step},
             "candidates": [c.to_json() for c in self.candidates],
         }
@@ -427,46 +442,105 @@ class CollectorClient:
         """One run; raises `RunNotFound` for an unknown id."""
         return self._get(f"/runs/{run_id}", RunSummary.from_json)
 
-    def steps(self, run_id: int, *, rank: int = 0, start: int | None = None,
-              end: int | None = None, max_points: int = STEP_POINTS) -> StepSeries:
+    def steps(
+        self,
+        run_id: int,
+        *,
+        rank: int = 0,
+        start: int | None = None,
+        end: int | None = None,
+        max_points: int = STEP_POINTS,
+    ) -> StepSeries:
         """Steps in [start, end] (default: all), downsampled by the collector (min/max per
         bucket: spikes and skips survive); a zoomed window gets finer buckets."""
-        return self._get(f"/runs/{run_id}/steps", StepSeries.from_json, rank=rank,
-                         start=start, end=end, max_points=max_points)
+        return self._get(
+            f"/runs/{run_id}/steps",
+            StepSeries.from_json,
+            rank=rank,
+            start=start,
+            end=end,
+            max_points=max_points,
+        )
 
-    def layer_matrix(self, run_id: int, stat: str, *, rank: int = 0, start: int | None = None,
-                     end: int | None = None, max_steps: int = HEATMAP_STEPS,
-                     max_layers: int = HEATMAP_LAYERS) -> LayerMatrix:
+    def layer_matrix(
+        self,
+        run_id: int,
+        stat: str,
+        *,
+        rank: int = 0,
+        start: int | None = None,
+        end: int | None = None,
+        max_steps: int = HEATMAP_STEPS,
+        max_layers: int = HEATMAP_LAYERS,
+    ) -> LayerMatrix:
         """Downsampled on both axes by the collector (max per cell: a frozen layer shows)."""
-        return self._get(f"/runs/{run_id}/layers", LayerMatrix.from_json, stat=stat, rank=rank,
-                         start=start, end=end, max_steps=max_steps, max_layers=max_layers)
+        return self._get(
+            f"/runs/{run_id}/layers",
+            LayerMatrix.from_json,
+            stat=stat,
+            rank=rank,
+            start=start,
+            end=end,
+            max_steps=max_steps,
+            max_layers=max_layers,
+        )
 
     def layer_names(self, run_id: int) -> list[str]:
         """Every parameter tensor of the run, in model order: the matrix's columns over a
         window past any step, so that no row is read."""
-        return self._get(f"/runs/{run_id}/layers", lambda d: [str(n) for n in d["layers"]],
-                         start=NO_STEP, end=NO_STEP, max_layers=MAX_LAYER_NAMES)
+        return self._get(
+            f"/runs/{run_id}/layers",
+            lambda d: [str(n) for n in d["layers"]],
+            start=NO_STEP,
+            end=NO_STEP,
+            max_layers=MAX_LAYER_NAMES,
+        )
 
-    def layer_series(self, run_id: int, layer: str, stat: str, *, rank: int = 0,
-                     start: int | None = None, end: int | None = None,
-                     max_points: int = STEP_POINTS) -> LayerSeries:
-        return self._get(f"/runs/{run_id}/layers/{quote(layer, safe='')}/series",
-                         LayerSeries.from_json, stat=stat, rank=rank, start=start, end=end,
-                         max_points=max_points)
+    def layer_series(
+        self,
+        run_id: int,
+        layer: str,
+        stat: str,
+        *,
+        rank: int = 0,
+        start: int | None = None,
+        end: int | None = None,
+        max_points: int = STEP_POINTS,
+    ) -> LayerSeries:
+        return self._get(
+            f"/runs/{run_id}/layers/{quote(layer, safe='')}/series",
+            LayerSeries.from_json,
+            stat=stat,
+            rank=rank,
+            start=start,
+            end=end,
+            max_points=max_points,
+        )
 
-    def layer_histograms(self, run_id: int, layer: str, *, rank: int = 0,
-                         start: int | None = None, max_points: int = HISTOGRAM_FRAMES
-                         ) -> LayerHistograms:
+    def layer_histograms(
+        self,
+        run_id: int,
+        layer: str,
+        *,
+        rank: int = 0,
+        start: int | None = None,
+        max_points: int = HISTOGRAM_FRAMES,
+    ) -> LayerHistograms:
         """The layer's exponent histograms from step `start` on, evenly thinned by the
         collector to `max_points` (1: the first one at or after `start`)."""
-        return self._get(f"/runs/{run_id}/layers/{quote(layer, safe='')}/histograms",
-                         LayerHistograms.from_json, rank=rank, start=start,
-                         max_points=max_points)
+        return self._get(
+            f"/runs/{run_id}/layers/{quote(layer, safe='')}/histograms",
+            LayerHistograms.from_json,
+            rank=rank,
+            start=start,
+            max_points=max_points,
+        )
 
     def alerts(self, run_id: int) -> list[Alert] | None:
         """The run's alerts, or None when this collector has no alert engine (404)."""
         return self._get_optional(
-            f"/runs/{run_id}/alerts", lambda d: [Alert.from_json(a) for a in d["alerts"]],
+            f"/runs/{run_id}/alerts",
+            lambda d: [Alert.from_json(a) for a in d["alerts"]],
             limit=MAX_ALERTS,
         )
 
@@ -482,8 +556,7 @@ class CollectorClient:
         """FP16 loss-scale advice (the collector's JSON), or None without the route."""
         return self._get_optional(f"/runs/{run_id}/loss-scale-advice", dict)
 
-    def _get_optional(self, path: str, parse: Callable[[Any], T], **params: str | int
-                      ) -> T | None:
+    def _get_optional(self, path: str, parse: Callable[[Any], T], **params: str | int) -> T | None:
         # Called after the run itself was read, so a 404 means the route is missing.
         try:
             return self._get(path, parse, **params)

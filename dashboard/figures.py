@@ -58,8 +58,13 @@ ZERO_FRACTION_COLORSCALE: list[list[float | str]] = [
 # margin, draw again), 10-200 ms a chart. Step charts' tick labels fit the fixed margins;
 # charts labelled with names size their margin from the names (`label_margin`). Labels
 # may overflow the plot ("allow"), so plotly.js does not measure each against it.
-_GRID = {"gridcolor": "#EBF0F8", "zerolinecolor": "#EBF0F8", "linecolor": "#EBF0F8",
-         "automargin": False, "ticklabeloverflow": "allow"}
+_GRID = {
+    "gridcolor": "#EBF0F8",
+    "zerolinecolor": "#EBF0F8",
+    "linecolor": "#EBF0F8",
+    "automargin": False,
+    "ticklabeloverflow": "allow",
+}
 #: plotly_white's look in a few keys: the full template is ~9 KB in every figure's JSON
 #: and a deep copy in every figure built (a fifth of the run page's render time).
 TEMPLATE = {
@@ -147,8 +152,9 @@ def format_time(iso_time: str) -> str:
     return moment.strftime("%Y-%m-%d %H:%M:%S UTC")
 
 
-def figure_of(data: Sequence[Any], layout: dict[str, Any],
-              frames: Sequence[dict[str, Any]] | None = None) -> go.Figure:
+def figure_of(
+    data: Sequence[Any], layout: dict[str, Any], frames: Sequence[dict[str, Any]] | None = None
+) -> go.Figure:
     """A figure built in one call from trace, layout (over `_BASE_LAYOUT`) and animation
     frame dicts.
 
@@ -171,19 +177,32 @@ def _title(text: str, subtitle: str | None = None) -> dict[str, Any]:
     return {"text": text, **({"subtitle": {"text": subtitle}} if subtitle else {})}
 
 
-def _message(text: str, *, xref: str = "paper", yref: str = "paper", size: int = 14
-             ) -> dict[str, Any]:
-    return {"text": text, "xref": xref, "yref": yref, "x": 0.5, "y": 0.5, "showarrow": False,
-            "font": {"size": size, "color": "#666666"}}
+def _message(
+    text: str, *, xref: str = "paper", yref: str = "paper", size: int = 14
+) -> dict[str, Any]:
+    return {
+        "text": text,
+        "xref": xref,
+        "yref": yref,
+        "x": 0.5,
+        "y": 0.5,
+        "showarrow": False,
+        "font": {"size": size, "color": "#666666"},
+    }
 
 
 def empty_figure(title: str, message: str) -> go.Figure:
     """A figure that says why there is nothing to draw, instead of empty axes."""
-    return go.Figure(layout={
-        "title": {"text": title}, "template": TEMPLATE, "height": 300,
-        "xaxis": {"visible": False}, "yaxis": {"visible": False},
-        "annotations": [_message(message)],
-    })
+    return go.Figure(
+        layout={
+            "title": {"text": title},
+            "template": TEMPLATE,
+            "height": 300,
+            "xaxis": {"visible": False},
+            "yaxis": {"visible": False},
+            "annotations": [_message(message)],
+        }
+    )
 
 
 def two_rows(top_share: float, *, gap: float = 0.06) -> dict[str, Any]:
@@ -239,36 +258,69 @@ def loss_scale_figure(
     skipped = [i for i, was_skipped in enumerate(series.skipped) if was_skipped]
     losses = plot_values(series.loss)
     data: list[dict[str, Any]] = [
-        {"type": "scatter", "x": steps, "y": scales, "name": "loss scale", "mode": "lines",
-         "line": {"shape": "hv", "color": SCALE_COLOR}, "hovertemplate": "%{y:.6g}"},
-        {"type": "scatter", "x": [series.step[i] for i in skipped],
-         # A skipped step whose scale is unknown still shows, on the axis floor.
-         "y": [float(scales[i]) if not math.isnan(scales[i]) else low for i in skipped],
-         # Downsampled, one marker stands for its bucket's skips: the legend counts steps.
-         "name": f"skipped step ({sum(series.skipped_count)})", "mode": "markers",
-         "customdata": [max(series.skipped_count[i], 1) for i in skipped],
-         "marker": {"symbol": "x", "size": 9, "color": SKIPPED_COLOR},
-         "hovertemplate": "%{customdata} skipped"},
-        {"type": "scatter", "x": steps, "y": losses, "name": "loss", "mode": "lines",
-         "xaxis": "x2", "yaxis": "y2", "line": {"color": LOSS_COLOR, "width": 1.5},
-         "connectgaps": False, "hovertemplate": "%{y:.4g}"},
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": scales,
+            "name": "loss scale",
+            "mode": "lines",
+            "line": {"shape": "hv", "color": SCALE_COLOR},
+            "hovertemplate": "%{y:.6g}",
+        },
+        {
+            "type": "scatter",
+            "x": [series.step[i] for i in skipped],
+            # A skipped step whose scale is unknown still shows, on the axis floor.
+            "y": [float(scales[i]) if not math.isnan(scales[i]) else low for i in skipped],
+            # Downsampled, one marker stands for its bucket's skips: the legend counts steps.
+            "name": f"skipped step ({sum(series.skipped_count)})",
+            "mode": "markers",
+            "customdata": [max(series.skipped_count[i], 1) for i in skipped],
+            "marker": {"symbol": "x", "size": 9, "color": SKIPPED_COLOR},
+            "hovertemplate": "%{customdata} skipped",
+        },
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": losses,
+            "name": "loss",
+            "mode": "lines",
+            "xaxis": "x2",
+            "yaxis": "y2",
+            "line": {"color": LOSS_COLOR, "width": 1.5},
+            "connectgaps": False,
+            "hovertemplate": "%{y:.4g}",
+        },
     ]
     non_finite = [i for i, v in enumerate(series.loss) if v is not None and not math.isfinite(v)]
     if non_finite:
         ceiling = float(np.nanmax(losses)) if not np.isnan(losses).all() else 0.0
-        data.append({
-            "type": "scatter", "x": [series.step[i] for i in non_finite],
-            "y": [ceiling] * len(non_finite),
-            "customdata": [str(series.loss[i]) for i in non_finite],
-            "name": "non-finite loss", "mode": "markers", "xaxis": "x2", "yaxis": "y2",
-            "marker": {"symbol": "triangle-up", "size": 10, "color": NON_FINITE_COLOR},
-            "hovertemplate": "loss %{customdata}",
-        })
-    shapes: list[dict[str, Any]] = [{
-        "type": "line", "xref": "x domain", "x0": 0, "x1": 1, "yref": "y",
-        "y0": HEALTHY_SCALE, "y1": HEALTHY_SCALE,
-        "line": {"dash": "dash", "color": "#888888", "width": 1},
-    }]
+        data.append(
+            {
+                "type": "scatter",
+                "x": [series.step[i] for i in non_finite],
+                "y": [ceiling] * len(non_finite),
+                "customdata": [str(series.loss[i]) for i in non_finite],
+                "name": "non-finite loss",
+                "mode": "markers",
+                "xaxis": "x2",
+                "yaxis": "y2",
+                "marker": {"symbol": "triangle-up", "size": 10, "color": NON_FINITE_COLOR},
+                "hovertemplate": "loss %{customdata}",
+            }
+        )
+    shapes: list[dict[str, Any]] = [
+        {
+            "type": "line",
+            "xref": "x domain",
+            "x0": 0,
+            "x1": 1,
+            "yref": "y",
+            "y0": HEALTHY_SCALE,
+            "y1": HEALTHY_SCALE,
+            "line": {"dash": "dash", "color": "#888888", "width": 1},
+        }
+    ]
     annotations: list[dict[str, Any]] = []
     line: dict[str, Any]
     for step, verdict in sorted((checkpoints or {}).items()):
@@ -278,47 +330,97 @@ def loss_scale_figure(
             line, text, color = {"dash": "dot", "width": 1}, "", "#9ca3af"
         else:
             line, text, color = {"dash": "dot", "width": 1}, "ckpt", CHECKPOINT_COLOR
-        shapes.append({"type": "line", "xref": "x", "x0": step, "x1": step, "yref": "paper",
-                       "y0": 0, "y1": 1, "line": {**line, "color": color}})
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "x",
+                "x0": step,
+                "x1": step,
+                "yref": "paper",
+                "y0": 0,
+                "y1": 1,
+                "line": {**line, "color": color},
+            }
+        )
         if text:
-            annotations.append({
-                "text": text, "x": step, "xref": "x", "y": 1, "yref": "paper",
-                "yanchor": "bottom", "showarrow": False,
-                "font": {"size": 11 if verdict == RECOMMENDED else 10, "color": color},
-            })
+            annotations.append(
+                {
+                    "text": text,
+                    "x": step,
+                    "xref": "x",
+                    "y": 1,
+                    "yref": "paper",
+                    "yanchor": "bottom",
+                    "showarrow": False,
+                    "font": {"size": 11 if verdict == RECOMMENDED else 10, "color": color},
+                }
+            )
     for alert in alerts:
         if alert.layer is None and alert.fired_step is not None:
-            shapes.append({
-                "type": "rect", "xref": "x", "yref": "paper", "y0": 0, "y1": 1,
-                "x0": alert.fired_step,
-                "x1": alert.resolved_step if alert.resolved_step is not None else series.step[-1],
-                "fillcolor": SEVERITY_COLORS.get(alert.severity, SKIPPED_COLOR),
-                "opacity": 0.08, "line": {"width": 0}, "layer": "below",
-            })
+            shapes.append(
+                {
+                    "type": "rect",
+                    "xref": "x",
+                    "yref": "paper",
+                    "y0": 0,
+                    "y1": 1,
+                    "x0": alert.fired_step,
+                    "x1": alert.resolved_step
+                    if alert.resolved_step is not None
+                    else series.step[-1],
+                    "fillcolor": SEVERITY_COLORS.get(alert.severity, SKIPPED_COLOR),
+                    "opacity": 0.08,
+                    "line": {"width": 0},
+                    "layer": "below",
+                }
+            )
     if not shown.size:
         # An empty log axis would read as "no data yet"; say what it really means.
-        annotations.append(_message(NO_SCALER_MESSAGE, xref="x domain", yref="y domain",
-                                    size=13))
+        annotations.append(_message(NO_SCALER_MESSAGE, xref="x domain", yref="y domain", size=13))
     axes = two_rows(0.6)
     axes["xaxis"].update(_x_axis(x_range))
     axes["xaxis2"].update(_x_axis(x_range, title={"text": STEP_AXIS_TITLE}))
-    axes["yaxis"].update(type="log", range=[math.log10(low), math.log10(high)],
-                         tickvals=tick_values, ticktext=tick_text,
-                         title={"text": "loss scale (log2)"})
+    axes["yaxis"].update(
+        type="log",
+        range=[math.log10(low), math.log10(high)],
+        tickvals=tick_values,
+        ticktext=tick_text,
+        title={"text": "loss scale (log2)"},
+    )
     axes["yaxis2"].update(title={"text": "loss"})
-    return figure_of(data, {"title": _title(title), "height": 480, "shapes": shapes,
-                            "annotations": annotations, **axes})
+    return figure_of(
+        data,
+        {
+            "title": _title(title),
+            "height": 480,
+            "shapes": shapes,
+            "annotations": annotations,
+            **axes,
+        },
+    )
 
 
 def _step_figure(
-    title: str, data: Sequence[dict[str, Any]], *, y_axis: dict[str, Any], height: int = 300,
-    x_range: Sequence[int] | None = None, subtitle: str | None = None, **layout: Any,
+    title: str,
+    data: Sequence[dict[str, Any]],
+    *,
+    y_axis: dict[str, Any],
+    height: int = 300,
+    x_range: Sequence[int] | None = None,
+    subtitle: str | None = None,
+    **layout: Any,
 ) -> go.Figure:
     """The common frame of the single-axis step charts below."""
-    return figure_of(data, {
-        "title": _title(title, subtitle), "height": height,
-        "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}), "yaxis": y_axis, **layout,
-    })
+    return figure_of(
+        data,
+        {
+            "title": _title(title, subtitle),
+            "height": height,
+            "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
+            "yaxis": y_axis,
+            **layout,
+        },
+    )
 
 
 def skip_rates(series: StepSeries, buckets: int = 100) -> tuple[list[int], list[float]]:
@@ -340,8 +442,7 @@ def skip_rates(series: StepSeries, buckets: int = 100) -> tuple[list[int], list[
         skipped[key] = skipped.get(key, 0) + count
     starts = sorted(skipped)
     rates = [
-        skipped[start] / (min(start + width - 1, last) - max(start, first) + 1)
-        for start in starts
+        skipped[start] / (min(start + width - 1, last) - max(start, first) + 1) for start in starts
     ]
     return starts, rates
 
@@ -354,16 +455,25 @@ def skip_rate_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
     starts, rates = skip_rates(series)
     width = starts[1] - starts[0] if len(starts) > 1 else 1
     bars = {
-        "type": "bar", "x": [start + width / 2 for start in starts], "y": rates,
-        "width": width, "name": "skipped share", "marker": {"color": SKIPPED_COLOR},
+        "type": "bar",
+        "x": [start + width / 2 for start in starts],
+        "y": rates,
+        "width": width,
+        "name": "skipped share",
+        "marker": {"color": SKIPPED_COLOR},
         "customdata": starts,
         "hovertemplate": f"steps %{{customdata}}+{width}<br>%{{y:.1%}} skipped<extra></extra>",
     }
-    return _step_figure(title, [bars], height=240, x_range=x_range,
-                        subtitle=f"share of steps skipped per {width:,}-step window",
-                        y_axis={"title": {"text": "skipped steps"}, "tickformat": ".0%",
-                                "rangemode": "tozero"},
-                        bargap=0, showlegend=False)
+    return _step_figure(
+        title,
+        [bars],
+        height=240,
+        x_range=x_range,
+        subtitle=f"share of steps skipped per {width:,}-step window",
+        y_axis={"title": {"text": "skipped steps"}, "tickformat": ".0%", "rangemode": "tozero"},
+        bargap=0,
+        showlegend=False,
+    )
 
 
 def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None) -> go.Figure:
@@ -374,21 +484,42 @@ def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
     if np.isnan(norms).all():
         return empty_figure(title, "No gradient norm reported for this run yet.")
     steps = plot_steps(series.step)
-    traces = [{"type": "scatter", "x": steps, "y": norms,
-               "name": "grad norm (unscaled, before clipping)", "mode": "lines",
-               "line": {"color": "#2ca02c", "width": 1.5}, "hovertemplate": "%{y:.4g}"}]
+    traces = [
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": norms,
+            "name": "grad norm (unscaled, before clipping)",
+            "mode": "lines",
+            "line": {"color": "#2ca02c", "width": 1.5},
+            "hovertemplate": "%{y:.4g}",
+        }
+    ]
     clipped = plot_values(series.grad_norm_clipped, positive=True)
     if not np.isnan(clipped).all():
-        traces.append({"type": "scatter", "x": steps, "y": clipped,
-                       "name": "after clipping", "mode": "lines",
-                       "line": {"color": "#98df8a", "width": 1, "dash": "dot"},
-                       "hovertemplate": "%{y:.4g}"})
-    return _step_figure(title, traces, height=260, x_range=x_range,
-                        y_axis={"title": {"text": "global L2 norm"}, "type": "log"})
+        traces.append(
+            {
+                "type": "scatter",
+                "x": steps,
+                "y": clipped,
+                "name": "after clipping",
+                "mode": "lines",
+                "line": {"color": "#98df8a", "width": 1, "dash": "dot"},
+                "hovertemplate": "%{y:.4g}",
+            }
+        )
+    return _step_figure(
+        title,
+        traces,
+        height=260,
+        x_range=x_range,
+        y_axis={"title": {"text": "global L2 norm"}, "type": "log"},
+    )
 
 
-def baseline_band(values: Sequence[float | None] | np.ndarray, window: int = BAND_POINTS
-                  ) -> tuple[np.ndarray, np.ndarray]:
+def baseline_band(
+    values: Sequence[float | None] | np.ndarray, window: int = BAND_POINTS
+) -> tuple[np.ndarray, np.ndarray]:
     """A robust trailing baseline: median ± `BAND_MADS` · 1.4826 · MAD of the previous
     `window` finite values (NaN until 8 are seen). A spike sits above it, not inside it.
 
@@ -432,15 +563,45 @@ def activation_norm_figure(
     steps = plot_steps(series.step)
     low, high = baseline_band(maxima)
     data: list[dict[str, Any]] = [
-        {"type": "scatter", "x": steps, "y": low, "mode": "lines", "line": {"width": 0},
-         "showlegend": False, "hoverinfo": "skip", "name": "baseline low"},
-        {"type": "scatter", "x": steps, "y": high, "mode": "lines", "line": {"width": 0},
-         "fill": "tonexty", "fillcolor": "rgba(148, 103, 189, 0.15)",
-         "name": "baseline band (max)", "hoverinfo": "skip"},
-        {"type": "scatter", "x": steps, "y": maxima, "name": "max over tokens",
-         "mode": "lines", "line": {"color": "#9467bd"}, "hovertemplate": "%{y:.4g}"},
-        {"type": "scatter", "x": steps, "y": means, "name": "mean over tokens",
-         "mode": "lines", "line": {"color": SCALE_COLOR}, "hovertemplate": "%{y:.4g}"},
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": low,
+            "mode": "lines",
+            "line": {"width": 0},
+            "showlegend": False,
+            "hoverinfo": "skip",
+            "name": "baseline low",
+        },
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": high,
+            "mode": "lines",
+            "line": {"width": 0},
+            "fill": "tonexty",
+            "fillcolor": "rgba(148, 103, 189, 0.15)",
+            "name": "baseline band (max)",
+            "hoverinfo": "skip",
+        },
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": maxima,
+            "name": "max over tokens",
+            "mode": "lines",
+            "line": {"color": "#9467bd"},
+            "hovertemplate": "%{y:.4g}",
+        },
+        {
+            "type": "scatter",
+            "x": steps,
+            "y": means,
+            "name": "mean over tokens",
+            "mode": "lines",
+            "line": {"color": SCALE_COLOR},
+            "hovertemplate": "%{y:.4g}",
+        },
     ]
     y_axis: dict[str, Any] = {"title": {"text": "activation L2 norm"}}
     if not (np.nan_to_num(np.concatenate([means, maxima]), nan=1.0) <= 0).any():
@@ -483,23 +644,36 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
         z[: len(row), i] = plot_values(row[: len(matrix.layers)])
     steps, z = bucket_grid(matrix.steps, z, matrix.step_width)
     heatmap = {
-        "type": "heatmap", "x": steps, "y": matrix.layers, "z": z,
-        "zmin": 0.0, "zmax": 1.0, "colorscale": ZERO_FRACTION_COLORSCALE,
+        "type": "heatmap",
+        "x": steps,
+        "y": matrix.layers,
+        "z": z,
+        "zmin": 0.0,
+        "zmax": 1.0,
+        "colorscale": ZERO_FRACTION_COLORSCALE,
         "colorbar": {"title": {"text": colorbar}},
-        "hovertemplate": "%{y}<br>" + (
-            "step %{x}" if matrix.step_width <= 1
+        "hovertemplate": "%{y}<br>"
+        + (
+            "step %{x}"
+            if matrix.step_width <= 1
             else f"{matrix.step_width:,} steps from %{{x}} (their maximum)"
-        ) + "<br>" + colorbar.replace("<br>", " ") + " %{z:.3f}<extra></extra>",
+        )
+        + "<br>"
+        + colorbar.replace("<br>", " ")
+        + " %{z:.3f}<extra></extra>",
     }
-    return figure_of([heatmap], {
-        "title": _title(title, HEATMAP_SUBTITLES.get(matrix.stat, "")),
-        # Rows stay readable to ~100 layers; beyond, the page would be a scroll of labels.
-        "height": min(max(320, 160 + 22 * len(matrix.layers)), 1400),
-        "hovermode": "closest",
-        "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
-        "yaxis": {"autorange": "reversed", **row_ticks(matrix.layers)},
-        "margin": {**MARGIN, "l": label_margin(matrix.layers)},
-    })
+    return figure_of(
+        [heatmap],
+        {
+            "title": _title(title, HEATMAP_SUBTITLES.get(matrix.stat, "")),
+            # Rows stay readable to ~100 layers; beyond, the page would be a scroll of labels.
+            "height": min(max(320, 160 + 22 * len(matrix.layers)), 1400),
+            "hovermode": "closest",
+            "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
+            "yaxis": {"autorange": "reversed", **row_ticks(matrix.layers)},
+            "margin": {**MARGIN, "l": label_margin(matrix.layers)},
+        },
+    )
 
 
 #: A heatmap goes on its bucket grid only when that has at most this many columns per row
@@ -507,8 +681,9 @@ def layer_heatmap(matrix: LayerMatrix, *, x_range: Sequence[int] | None = None) 
 GRID_MOST = 4
 
 
-def bucket_grid(steps: Sequence[int], z: npt.NDArray[np.float32], width: int
-                ) -> tuple[list[int], npt.NDArray[np.float32]]:
+def bucket_grid(
+    steps: Sequence[int], z: npt.NDArray[np.float32], width: int
+) -> tuple[list[int], npt.NDArray[np.float32]]:
     """Downsampled columns (`width` > 1) on their buckets' evenly spaced starts: a bucket
     without rows gets an empty column, rows sharing a bucket (a live tail appended at
     finer width) their maximum, as the collector merges them.
@@ -551,7 +726,7 @@ def short_label(label: str, most: int = LABEL_CHARS) -> str:
     >>> short_label("model.decoder.layers.23.self_attn.out_proj.weight", 24)
     '…lf_attn.out_proj.weight'
     """
-    return label if len(label) <= most else "…" + label[len(label) - most + 1:]
+    return label if len(label) <= most else "…" + label[len(label) - most + 1 :]
 
 
 def label_margin(labels: Sequence[str]) -> int:
@@ -581,8 +756,11 @@ def alert_label(alert: Alert) -> str:
 
 
 def alerts_timeline_figure(
-    alerts: Sequence[Alert] | None, last_step: int | None, *,
-    x_range: Sequence[int] | None = None, note: str = "",
+    alerts: Sequence[Alert] | None,
+    last_step: int | None,
+    *,
+    x_range: Sequence[int] | None = None,
+    note: str = "",
 ) -> go.Figure:
     """Every alert as a bar over the steps it was active (start → resolved, or the last
     step while it still fires), one row per rule and layer, coloured by severity; a
@@ -598,35 +776,55 @@ def alerts_timeline_figure(
         chosen = [a for a in alerts if a.severity == severity]
         if not chosen:
             continue
-        starts = [a.started_step if a.started_step is not None else a.fired_step or 0
-                  for a in chosen]
-        ends = [a.resolved_step if a.resolved_step is not None else (last_step or start)
-                for a, start in zip(chosen, starts, strict=True)]
-        data.append({
-            "type": "bar", "orientation": "h", "base": starts,
-            "x": [max(end - start, 1) for start, end in zip(starts, ends, strict=True)],
-            "y": [alert_label(a) for a in chosen], "name": severity,
-            "marker": {"color": color,
-                       "opacity": [0.35 if a.status == "pending" else 0.85 for a in chosen]},
-            "customdata": [[a.status, a.message] for a in chosen],
-            "hovertemplate": "%{y}<br>%{customdata[0]}: %{customdata[1]}<extra></extra>",
-        })
+        starts = [
+            a.started_step if a.started_step is not None else a.fired_step or 0 for a in chosen
+        ]
+        ends = [
+            a.resolved_step if a.resolved_step is not None else (last_step or start)
+            for a, start in zip(chosen, starts, strict=True)
+        ]
+        data.append(
+            {
+                "type": "bar",
+                "orientation": "h",
+                "base": starts,
+                "x": [max(end - start, 1) for start, end in zip(starts, ends, strict=True)],
+                "y": [alert_label(a) for a in chosen],
+                "name": severity,
+                "marker": {
+                    "color": color,
+                    "opacity": [0.35 if a.status == "pending" else 0.85 for a in chosen],
+                },
+                "customdata": [[a.status, a.message] for a in chosen],
+                "hovertemplate": "%{y}<br>%{customdata[0]}: %{customdata[1]}<extra></extra>",
+            }
+        )
     fired = [a for a in alerts if a.fired_step is not None]
     if fired:
-        data.append({
-            "type": "scatter", "x": [a.fired_step for a in fired],
-            "y": [alert_label(a) for a in fired], "mode": "markers", "name": "fired",
-            "marker": {"symbol": "diamond", "size": 10, "color": "#111827"},
-            "hovertemplate": "fired at step %{x}<extra></extra>",
-        })
+        data.append(
+            {
+                "type": "scatter",
+                "x": [a.fired_step for a in fired],
+                "y": [alert_label(a) for a in fired],
+                "mode": "markers",
+                "name": "fired",
+                "marker": {"symbol": "diamond", "size": 10, "color": "#111827"},
+                "hovertemplate": "fired at step %{x}<extra></extra>",
+            }
+        )
     rows = list(dict.fromkeys(alert_label(a) for a in alerts))
-    return figure_of(data, {
-        "title": _title(title, note or None), "height": 140 + 36 * len(rows),
-        "barmode": "overlay", "hovermode": "closest",
-        "margin": {**MARGIN, "t": 80, "l": label_margin(rows)},
-        "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
-        "yaxis": {"autorange": "reversed", **row_ticks(rows, most=len(rows))},
-    })
+    return figure_of(
+        data,
+        {
+            "title": _title(title, note or None),
+            "height": 140 + 36 * len(rows),
+            "barmode": "overlay",
+            "hovermode": "closest",
+            "margin": {**MARGIN, "t": 80, "l": label_margin(rows)},
+            "xaxis": _x_axis(x_range, title={"text": STEP_AXIS_TITLE}),
+            "yaxis": {"autorange": "reversed", **row_ticks(rows, most=len(rows))},
+        },
+    )
 
 
 def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
@@ -647,13 +845,21 @@ def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
             (2, scale, "hv"),
             (3, plot_values(series.act_norm_max, positive=True), "linear"),
         ):
-            data.append({
-                "type": "scatter", "x": steps, "y": values, "name": name, "legendgroup": name,
-                "showlegend": row == 1, "mode": "lines", "xaxis": f"x{row}" if row > 1 else "x",
-                "yaxis": f"y{row}" if row > 1 else "y",
-                "line": {"color": color, "shape": shape, "width": 1.5},
-                "hovertemplate": f"{name}: %{{y:.4g}}<extra></extra>",
-            })
+            data.append(
+                {
+                    "type": "scatter",
+                    "x": steps,
+                    "y": values,
+                    "name": name,
+                    "legendgroup": name,
+                    "showlegend": row == 1,
+                    "mode": "lines",
+                    "xaxis": f"x{row}" if row > 1 else "x",
+                    "yaxis": f"y{row}" if row > 1 else "y",
+                    "line": {"color": color, "shape": shape, "width": 1.5},
+                    "hovertemplate": f"{name}: %{{y:.4g}}<extra></extra>",
+                }
+            )
     low = min([*scales, HEALTHY_SCALE]) / 2
     high = max([*scales, HEALTHY_SCALE]) * 2
     tick_values, tick_text = log2_ticks(low, high)
@@ -662,15 +868,34 @@ def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
     layout: dict[str, Any] = {"title": _title(title), "height": 720, "hovermode": "x"}
     for row, (domain, axis_title) in enumerate(zip(domains, titles, strict=True), start=1):
         suffix = "" if row == 1 else str(row)
-        layout[f"xaxis{suffix}"] = {"anchor": f"y{suffix}", "showticklabels": row == 3,
-                                    **({"matches": "x3"} if row < 3 else {})}
-        layout[f"yaxis{suffix}"] = {"anchor": f"x{suffix}", "domain": domain,
-                                    "title": {"text": axis_title}}
+        layout[f"xaxis{suffix}"] = {
+            "anchor": f"y{suffix}",
+            "showticklabels": row == 3,
+            **({"matches": "x3"} if row < 3 else {}),
+        }
+        layout[f"yaxis{suffix}"] = {
+            "anchor": f"x{suffix}",
+            "domain": domain,
+            "title": {"text": axis_title},
+        }
     layout["xaxis3"]["title"] = {"text": STEP_AXIS_TITLE}
-    layout["yaxis2"].update(type="log", range=[math.log10(low), math.log10(high)],
-                            tickvals=tick_values, ticktext=tick_text)
+    layout["yaxis2"].update(
+        type="log",
+        range=[math.log10(low), math.log10(high)],
+        tickvals=tick_values,
+        ticktext=tick_text,
+    )
     layout["yaxis3"]["type"] = "log"
-    layout["shapes"] = [{"type": "line", "xref": "x2 domain", "x0": 0, "x1": 1, "yref": "y2",
-                         "y0": HEALTHY_SCALE, "y1": HEALTHY_SCALE,
-                         "line": {"dash": "dash", "color": "#888888", "width": 1}}]
+    layout["shapes"] = [
+        {
+            "type": "line",
+            "xref": "x2 domain",
+            "x0": 0,
+            "x1": 1,
+            "yref": "y2",
+            "y0": HEALTHY_SCALE,
+            "y1": HEALTHY_SCALE,
+            "line": {"dash": "dash", "color": "#888888", "width": 1},
+        }
+    ]
     return figure_of(data, layout)

@@ -1,8 +1,8 @@
 """Pure figures of the FP8 readiness page, from the collector's JSON answers; no Dash, no I/O.
 
-    >>> fig = readiness_matrix_figure({"layers": [], "recipes": {}, "steps": []})
-    >>> fig.layout.annotations[0].text
-    'No FP8 samples yet: the agent measures every fp8_stats_every steps.'
+>>> fig = readiness_matrix_figure({"layers": [], "recipes": {}, "steps": []})
+>>> fig.layout.annotations[0].text
+'No FP8 samples yet: the agent measures every fp8_stats_every steps.'
 """
 
 from __future__ import annotations
@@ -31,7 +31,10 @@ VERDICT_COLORS = {"fits": "#2ca02c", "needs_finer_scaling": "#ff7f0e", "keep_bf1
 #: capped at 1000x so one hopeless layer does not wash out the rest.
 SCORE_CAP = 1000.0
 SCORE_COLORSCALE: list[list[float | str]] = [
-    [0.0, "#edf8e9"], [0.499, "#74c476"], [0.5, "#fdae6b"], [1.0, "#a50f15"],
+    [0.0, "#edf8e9"],
+    [0.499, "#74c476"],
+    [0.5, "#fdae6b"],
+    [1.0, "#a50f15"],
 ]
 MATRIX_ROWS = 40
 TREND_LAYERS = 6
@@ -53,8 +56,10 @@ def cell_text(fit: dict[str, Any]) -> str:
     """Hover text of one layer x recipe cell: each role's flush / saturate / error."""
     lines = [f"{'fits' if fit['fits'] else 'does not fit'} (score {fit['score']:.2f})"]
     for role, m in fit["roles"].items():
-        lines.append(f"{role} {m['format'].upper()} {m['scaling']}: flush {_pct(m['flush'])}, "
-                     f"saturate {_pct(m['saturate'])}, error {m['error']:.3f}")
+        lines.append(
+            f"{role} {m['format'].upper()} {m['scaling']}: flush {_pct(m['flush'])}, "
+            f"saturate {_pct(m['saturate'])}, error {m['error']:.3f}"
+        )
     return "<br>".join(lines)
 
 
@@ -83,17 +88,21 @@ def readiness_matrix_figure(readiness: dict[str, Any], rows: int = MATRIX_ROWS) 
                      "ticktext": ["0.001", "0.01", "0.1", "1", "10", "100", "≥1000"]},
     }  # fmt: skip
     step = readiness.get("step")
-    return figure_of([trace], {
-        "title": {"text": title, "subtitle": {"text": f"at step {step:,}; worst layers first"}},
-        "height": 160 + 22 * len(layers),
-        "margin": {"l": label_margin(names), "r": 30, "t": 90, "b": 40},
-        "yaxis": {"autorange": "reversed", "type": "category"},
-        "xaxis": {"side": "top", "type": "category"},
-    })
+    return figure_of(
+        [trace],
+        {
+            "title": {"text": title, "subtitle": {"text": f"at step {step:,}; worst layers first"}},
+            "height": 160 + 22 * len(layers),
+            "margin": {"l": label_margin(names), "r": 30, "t": 90, "b": 40},
+            "yaxis": {"autorange": "reversed", "type": "category"},
+            "xaxis": {"side": "top", "type": "category"},
+        },
+    )
 
 
-def readiness_trend_figure(readiness: dict[str, Any], recipe: str | None = None,
-                           layers: int = TREND_LAYERS) -> go.Figure:
+def readiness_trend_figure(
+    readiness: dict[str, Any], recipe: str | None = None, layers: int = TREND_LAYERS
+) -> go.Figure:
     """The score of the worst layers under `recipe` (default: the declared one, else
     per-tensor) at each sampled step, with the limit at 1: a layer that fits early and
     crosses the line later is the late divergence FP8 studies report."""
@@ -127,13 +136,15 @@ def verdict_rows(readiness: dict[str, Any]) -> list[dict[str, str]]:
     for layer in readiness["layers"]:
         stopped = ", ".join(f"{r} at step {s:,}" for r, s in layer["stopped_fitting"].items()
                             if s is not None)  # fmt: skip
-        rows.append({
-            "layer": layer["layer"],
-            "verdict": VERDICT_LABELS[layer["verdict"]],
-            "fits with": ", ".join(layer["fits_with"]) or "—",
-            "why": layer["reason"],
-            "stopped fitting": stopped or "—",
-        })
+        rows.append(
+            {
+                "layer": layer["layer"],
+                "verdict": VERDICT_LABELS[layer["verdict"]],
+                "fits with": ", ".join(layer["fits_with"]) or "—",
+                "why": layer["reason"],
+                "stopped fitting": stopped or "—",
+            }
+        )
     return rows
 
 
@@ -159,8 +170,18 @@ def loss_scale_figure(advice: dict[str, Any]) -> go.Figure:
                        "opacity": 0.12, "line": {"width": 0}})  # fmt: skip
     if advice.get("init_scale"):
         k = round(math.log2(advice["init_scale"]))
-        shapes.append({"type": "line", "xref": "x", "yref": "paper", "x0": k, "x1": k,
-                       "y0": 0, "y1": 1, "line": {"color": "#1f77b4", "dash": "dot"}})
+        shapes.append(
+            {
+                "type": "line",
+                "xref": "x",
+                "yref": "paper",
+                "x0": k,
+                "x1": k,
+                "y0": 0,
+                "y1": 1,
+                "line": {"color": "#1f77b4", "dash": "dot"},
+            }
+        )
     return figure_of(traces, {
         "title": {"text": title, "subtitle": {"text": advice.get("reason", "")[:160]}},
         "height": 340, "barmode": "group", "shapes": shapes,

@@ -42,8 +42,13 @@ ALERTS_GRAPH: Final = "alerts-graph"
 ALERTS_LIST: Final = "alerts-list"
 CHECKPOINTS_TABLE: Final = "checkpoints-table"
 #: The step charts whose zoom (relayoutData) refetches finer data from the collector.
-ZOOMABLE_GRAPHS: Final = (LOSS_SCALE_GRAPH, SKIP_RATE_GRAPH, GRAD_NORM_GRAPH,
-                          ACTIVATION_NORM_GRAPH, HEATMAP_GRAPH)
+ZOOMABLE_GRAPHS: Final = (
+    LOSS_SCALE_GRAPH,
+    SKIP_RATE_GRAPH,
+    GRAD_NORM_GRAPH,
+    ACTIVATION_NORM_GRAPH,
+    HEATMAP_GRAPH,
+)
 
 # Layer drill-down page.
 LAYER_KEY: Final = "layer-key"

@@ -69,8 +69,11 @@ STAT_NAMES = {
     "subnormal_fraction": "FP16 subnormal (|g·S| in [2^-24, 2^-14))",
     "flush_fraction": "would flush in FP16 (0 < |g·S| < 2^-24)",
 }
-STAT_COLORS = {"zero_fraction": "#d62728", "subnormal_fraction": "#ff7f0e",
-               "flush_fraction": "#9467bd"}
+STAT_COLORS = {
+    "zero_fraction": "#d62728",
+    "subnormal_fraction": "#ff7f0e",
+    "flush_fraction": "#9467bd",
+}
 
 
 def layer_series_figure(
@@ -82,27 +85,61 @@ def layer_series_figure(
     if not any(s.step for s in series.values()) and not (max_abs and max_abs.step):
         return empty_figure(title, "No statistics sampled for this layer yet.")
     data: list[dict[str, Any]] = [
-        {"type": "scatter", "x": plot_steps(series[stat].step),
-         "y": plot_values(series[stat].value), "name": label, "mode": "lines",
-         "line": {"color": STAT_COLORS[stat], "width": 1.5}, "hovertemplate": "%{y:.3f}"}
-        for stat, label in STAT_NAMES.items() if stat in series
+        {
+            "type": "scatter",
+            "x": plot_steps(series[stat].step),
+            "y": plot_values(series[stat].value),
+            "name": label,
+            "mode": "lines",
+            "line": {"color": STAT_COLORS[stat], "width": 1.5},
+            "hovertemplate": "%{y:.3f}",
+        }
+        for stat, label in STAT_NAMES.items()
+        if stat in series
     ]
     layout = two_rows(0.6, gap=0.08)
     layout["yaxis"].update(title={"text": "share of elements"}, range=[0, 1.02])
     layout["yaxis2"].update(title={"text": "max |g·S|"}, type="log")
     layout["xaxis2"].update(title={"text": STEP_AXIS_TITLE})
     if max_abs is not None:
-        data.append({"type": "scatter", "x": plot_steps(max_abs.step),
-                     "y": plot_values(max_abs.value, positive=True), "name": "max |g·S|",
-                     "mode": "lines", "xaxis": "x2", "yaxis": "y2",
-                     "line": {"color": "#444444", "width": 1.5}, "hovertemplate": "%{y:.4g}"})
-        layout["shapes"] = [{"type": "line", "xref": "x2 domain", "x0": 0, "x1": 1,
-                             "yref": "y2", "y0": FP16_MAX, "y1": FP16_MAX,
-                             "line": {"dash": "dash", "color": FLUSH_COLOR, "width": 1}}]
-        layout["annotations"] = [{"text": "FP16 max 65504", "xref": "x2 domain", "x": 0,
-                                  "xanchor": "left", "yref": "y2", "y": math.log10(FP16_MAX),
-                                  "yanchor": "bottom", "showarrow": False,
-                                  "font": {"size": 10, "color": FLUSH_COLOR}}]
+        data.append(
+            {
+                "type": "scatter",
+                "x": plot_steps(max_abs.step),
+                "y": plot_values(max_abs.value, positive=True),
+                "name": "max |g·S|",
+                "mode": "lines",
+                "xaxis": "x2",
+                "yaxis": "y2",
+                "line": {"color": "#444444", "width": 1.5},
+                "hovertemplate": "%{y:.4g}",
+            }
+        )
+        layout["shapes"] = [
+            {
+                "type": "line",
+                "xref": "x2 domain",
+                "x0": 0,
+                "x1": 1,
+                "yref": "y2",
+                "y0": FP16_MAX,
+                "y1": FP16_MAX,
+                "line": {"dash": "dash", "color": FLUSH_COLOR, "width": 1},
+            }
+        ]
+        layout["annotations"] = [
+            {
+                "text": "FP16 max 65504",
+                "xref": "x2 domain",
+                "x": 0,
+                "xanchor": "left",
+                "yref": "y2",
+                "y": math.log10(FP16_MAX),
+                "yanchor": "bottom",
+                "showarrow": False,
+                "font": {"size": 10, "color": FLUSH_COLOR},
+            }
+        ]
     return figure_of(data, {"title": {"text": title}, "height": 480, **layout})
 
 
@@ -113,8 +150,9 @@ def scale_exponent(scale: float | None) -> float:
     return math.log2(scale)
 
 
-def _histogram_bars(offset: int, counts: Sequence[int], shift: float
-                    ) -> tuple[list[float], list[float], str]:
+def _histogram_bars(
+    offset: int, counts: Sequence[int], shift: float
+) -> tuple[list[float], list[float], str]:
     """Bar centres (log2|g·S|), shares of all elements, and the note on what is not a bar."""
     total = sum(counts) or 1
     x: list[float] = []
@@ -164,23 +202,46 @@ def exponent_histogram_figure(
     x, y, note = frames_data[active]
     names = [f.name for f in FORMATS]
     data: list[dict[str, Any]] = [
-        {"type": "bar", "x": x, "y": y, "width": 0.9, "name": "share of elements",
-         "marker": {"color": BAR_COLOR},
-         "hovertemplate": "|g·S| ≈ 2^%{x:.0f}: %{y:.2%}<extra></extra>"},
+        {
+            "type": "bar",
+            "x": x,
+            "y": y,
+            "width": 0.9,
+            "name": "share of elements",
+            "marker": {"color": BAR_COLOR},
+            "hovertemplate": "|g·S| ≈ 2^%{x:.0f}: %{y:.2%}<extra></extra>",
+        },
         # The ruler: each format's normal range solid, its subnormal range paler.
-        {"type": "bar", "orientation": "h", "y": names, "xaxis": "x2", "yaxis": "y2",
-         "base": [f.min_normal for f in FORMATS], "x": [f.max - f.min_normal for f in FORMATS],
-         "name": "normal range", "marker": {"color": NORMAL_COLOR}, "width": 0.6,
-         "customdata": [[f.min_normal, f.max] for f in FORMATS],
-         "hovertemplate": "%{y} normal: 2^%{customdata[0]:.0f} .. 2^%{customdata[1]:.2f}"
-         "<extra></extra>"},
-        {"type": "bar", "orientation": "h", "y": names, "xaxis": "x2", "yaxis": "y2",
-         "base": [f.min_subnormal for f in FORMATS],
-         "x": [f.min_normal - f.min_subnormal for f in FORMATS], "name": "subnormal range",
-         "marker": {"color": SUBNORMAL_COLOR}, "width": 0.6,
-         "customdata": [[f.min_subnormal, f.min_normal] for f in FORMATS],
-         "hovertemplate": "%{y} subnormal: 2^%{customdata[0]:.0f} .. 2^%{customdata[1]:.0f}"
-         "<extra></extra>"},
+        {
+            "type": "bar",
+            "orientation": "h",
+            "y": names,
+            "xaxis": "x2",
+            "yaxis": "y2",
+            "base": [f.min_normal for f in FORMATS],
+            "x": [f.max - f.min_normal for f in FORMATS],
+            "name": "normal range",
+            "marker": {"color": NORMAL_COLOR},
+            "width": 0.6,
+            "customdata": [[f.min_normal, f.max] for f in FORMATS],
+            "hovertemplate": "%{y} normal: 2^%{customdata[0]:.0f} .. 2^%{customdata[1]:.2f}"
+            "<extra></extra>",
+        },
+        {
+            "type": "bar",
+            "orientation": "h",
+            "y": names,
+            "xaxis": "x2",
+            "yaxis": "y2",
+            "base": [f.min_subnormal for f in FORMATS],
+            "x": [f.min_normal - f.min_subnormal for f in FORMATS],
+            "name": "subnormal range",
+            "marker": {"color": SUBNORMAL_COLOR},
+            "width": 0.6,
+            "customdata": [[f.min_subnormal, f.min_normal] for f in FORMATS],
+            "hovertemplate": "%{y} subnormal: 2^%{customdata[0]:.0f} .. 2^%{customdata[1]:.0f}"
+            "<extra></extra>",
+        },
     ]
     # On the histogram itself, FP16's zones: the cliff below 2^-24, overflow above 65504.
     zones = (
@@ -189,53 +250,111 @@ def exponent_histogram_figure(
         (FP16.min_normal, FP16.max, NORMAL_COLOR, 0.08, "FP16 normal"),
         (FP16.max, x_high, FLUSH_COLOR, 0.12, "overflows FP16"),
     )
-    shapes = [{"type": "rect", "xref": "x", "yref": "y domain", "x0": x0, "x1": x1, "y0": 0,
-               "y1": 1, "fillcolor": color, "opacity": opacity, "line": {"width": 0},
-               "layer": "below"} for x0, x1, color, opacity, _ in zones]
-    annotations = [{"text": label, "xref": "x", "x": x0, "xanchor": "left", "yref": "y domain",
-                    "y": 1, "yanchor": "top", "showarrow": False, "font": {"size": 11}}
-                   for x0, _, _, _, label in zones]
+    shapes = [
+        {
+            "type": "rect",
+            "xref": "x",
+            "yref": "y domain",
+            "x0": x0,
+            "x1": x1,
+            "y0": 0,
+            "y1": 1,
+            "fillcolor": color,
+            "opacity": opacity,
+            "line": {"width": 0},
+            "layer": "below",
+        }
+        for x0, x1, color, opacity, _ in zones
+    ]
+    annotations = [
+        {
+            "text": label,
+            "xref": "x",
+            "x": x0,
+            "xanchor": "left",
+            "yref": "y domain",
+            "y": 1,
+            "yanchor": "top",
+            "showarrow": False,
+            "font": {"size": 11},
+        }
+        for x0, _, _, _, label in zones
+    ]
     frames = [
-        {"name": str(step), "data": [{"type": "bar", "x": fx, "y": fy}], "traces": [0],
-         "layout": {"title": _frame_title(hists.layer, step, scale, fnote)}}
+        {
+            "name": str(step),
+            "data": [{"type": "bar", "x": fx, "y": fy}],
+            "traces": [0],
+            "layout": {"title": _frame_title(hists.layer, step, scale, fnote)},
+        }
         for step, scale, (fx, fy, fnote) in zip(hists.steps, scales, frames_data, strict=True)
     ]
-    redraw = {"frame": {"duration": 0, "redraw": True}, "mode": "immediate",
-              "transition": {"duration": 0}}
+    redraw = {
+        "frame": {"duration": 0, "redraw": True},
+        "mode": "immediate",
+        "transition": {"duration": 0},
+    }
     layout = two_rows(0.72, gap=0.04)
     layout["xaxis"].update(range=[x_low, x_high])
-    layout["xaxis2"].update(range=[x_low, x_high], dtick=4,
-                            title={"text": "log2 |g·S| (scaled gradient magnitude)"})
-    layout["yaxis"].update(title={"text": "share of elements"}, tickformat=".0%",
-                           range=[0, y_high])
+    layout["xaxis2"].update(
+        range=[x_low, x_high], dtick=4, title={"text": "log2 |g·S| (scaled gradient magnitude)"}
+    )
+    layout["yaxis"].update(title={"text": "share of elements"}, tickformat=".0%", range=[0, y_high])
     layout["yaxis2"].update(autorange="reversed")
     layout.update(
         title=_frame_title(hists.layer, hists.steps[active], scales[active], note),
-        height=580, barmode="overlay", bargap=0, showlegend=False, hovermode="closest",
-        margin={"l": 80, "r": 30, "t": 90, "b": 130}, shapes=shapes, annotations=annotations,
-        sliders=[{
-            "active": active,
-            "currentvalue": {"prefix": "step "},
-            "pad": {"t": 64},
-            "steps": [{"label": f"{step:,}", "method": "animate", "args": [[str(step)], redraw]}
-                      for step in hists.steps],
-        }],
-        updatemenus=[{
-            "type": "buttons", "direction": "left", "x": 0, "y": 0, "xanchor": "right",
-            "yanchor": "top", "pad": {"t": 84, "r": 10},
-            "buttons": [
-                {"label": "▶ play", "method": "animate",
-                 "args": [None, {**redraw, "frame": {"duration": 400, "redraw": True},
-                                 "fromcurrent": True}]},
-                {"label": "❚❚", "method": "animate", "args": [[None], redraw]},
-            ],
-        }],
+        height=580,
+        barmode="overlay",
+        bargap=0,
+        showlegend=False,
+        hovermode="closest",
+        margin={"l": 80, "r": 30, "t": 90, "b": 130},
+        shapes=shapes,
+        annotations=annotations,
+        sliders=[
+            {
+                "active": active,
+                "currentvalue": {"prefix": "step "},
+                "pad": {"t": 64},
+                "steps": [
+                    {"label": f"{step:,}", "method": "animate", "args": [[str(step)], redraw]}
+                    for step in hists.steps
+                ],
+            }
+        ],
+        updatemenus=[
+            {
+                "type": "buttons",
+                "direction": "left",
+                "x": 0,
+                "y": 0,
+                "xanchor": "right",
+                "yanchor": "top",
+                "pad": {"t": 84, "r": 10},
+                "buttons": [
+                    {
+                        "label": "▶ play",
+                        "method": "animate",
+                        "args": [
+                            None,
+                            {
+                                **redraw,
+                                "frame": {"duration": 400, "redraw": True},
+                                "fromcurrent": True,
+                            },
+                        ],
+                    },
+                    {"label": "❚❚", "method": "animate", "args": [[None], redraw]},
+                ],
+            }
+        ],
     )
     return figure_of(data, layout, frames)
 
 
-def scales_at(steps: Sequence[int], series_steps: Sequence[int],
-              series_scales: Sequence[float | None]) -> list[float | None]:
+def scales_at(
+    steps: Sequence[int], series_steps: Sequence[int], series_scales: Sequence[float | None]
+) -> list[float | None]:
     """The loss scale at each of `steps`: the last point of the step series at or before it.
 
     >>> scales_at([5, 20], [1, 10, 30], [8.0, 4.0, 2.0])

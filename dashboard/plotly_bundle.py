@@ -33,13 +33,28 @@ VERSION = "4.1.1"
 PACKAGE = "plotly.js-cartesian-dist-min"
 TARBALL = f"https://registry.npmjs.org/{PACKAGE}/-/{PACKAGE}-{VERSION}.tgz"
 #: npm's `dist.integrity` for that tarball (`npm view plotly.js-cartesian-dist-min@4.1.1`).
-INTEGRITY = ("sha512-o8GrFeusncwBIxbBynRJpY4pkgVB6caM+JLpwrLYbbsO7dZ8FJ+SVN2Fr+L7kiG/Z6w4P5O0J"
-             "us/Qr5EefHVeg==")
+INTEGRITY = (
+    "sha512-o8GrFeusncwBIxbBynRJpY4pkgVB6caM+JLpwrLYbbsO7dZ8FJ+SVN2Fr+L7kiG/Z6w4P5O0J"
+    "us/Qr5EefHVeg=="
+)
 MEMBER = "package/plotly-cartesian.min.js"
 #: The trace types the cartesian bundle registers (plotly.js `lib/index-cartesian.js`).
-CARTESIAN_TRACES = frozenset({"scatter", "bar", "box", "heatmap", "histogram", "histogram2d",
-                              "histogram2dcontour", "contour", "image", "pie", "violin",
-                              "scatterternary"})
+CARTESIAN_TRACES = frozenset(
+    {
+        "scatter",
+        "bar",
+        "box",
+        "heatmap",
+        "histogram",
+        "histogram2d",
+        "histogram2dcontour",
+        "contour",
+        "image",
+        "pie",
+        "violin",
+        "scatterternary",
+    }
+)
 
 
 def assets_dir() -> Path:
@@ -67,12 +82,19 @@ def cartesian_bundle(folder: Path | None = None) -> Path | None:
     plotly.js version; None means serve the full bundle."""
     path = bundle_path(folder)
     if not path.is_file():
-        log.info("plotly.js cartesian bundle not fetched (%s); serving the full 4.8 MB "
-                 "bundle: `ampwatch fetch-plotly` makes the dashboard load faster", path)
+        log.info(
+            "plotly.js cartesian bundle not fetched (%s); serving the full 4.8 MB "
+            "bundle: `ampwatch fetch-plotly` makes the dashboard load faster",
+            path,
+        )
         return None
     if (targeted := plotlyjs_version()) != VERSION:
-        log.warning("the plotly package targets plotly.js %s, the fetched bundle is %s; "
-                    "serving the full bundle", targeted, VERSION)
+        log.warning(
+            "the plotly package targets plotly.js %s, the fetched bundle is %s; "
+            "serving the full bundle",
+            targeted,
+            VERSION,
+        )
         return None
     return path
 
@@ -85,8 +107,13 @@ def verify(data: bytes, integrity: str = INTEGRITY) -> None:
         raise ValueError(f"{TARBALL}: {algorithm} {actual} is not the pinned {expected}")
 
 
-def fetch(folder: Path | None = None, *, url: str = TARBALL, integrity: str = INTEGRITY,
-          timeout: float = 60.0) -> Path:
+def fetch(
+    folder: Path | None = None,
+    *,
+    url: str = TARBALL,
+    integrity: str = INTEGRITY,
+    timeout: float = 60.0,
+) -> Path:
     """Download the pinned tarball, check its integrity and store the bundle; returns the
     file. Idempotent: a file already there is kept. Writes through a temporary name so a
     failed download never leaves half a file for the server to serve."""

@@ -34,8 +34,9 @@ class Prefetcher(Generic[K, V]):
     """`start(key)` runs `read(key)` in the background; `take(key)` hands its result to the
     first caller that asks for it within `FRESH_SECONDS`, else None (read it yourself)."""
 
-    def __init__(self, read: Callable[[K], V], *, fresh_seconds: float = FRESH_SECONDS,
-                 most: int = MOST) -> None:
+    def __init__(
+        self, read: Callable[[K], V], *, fresh_seconds: float = FRESH_SECONDS, most: int = MOST
+    ) -> None:
         self._read = read
         self._fresh = fresh_seconds
         self._most = most

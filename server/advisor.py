@@ -93,8 +93,7 @@ PRECURSOR_RULES = frozenset(
 NOT_PRECURSORS = frozenset({"no_data"}) | CONFIGURATION_RULES
 #: The caveat each configuration finding adds to every candidate.
 CONFIGURATION_CAVEATS = {
-    "fp16_without_scaler": "the run trains FP16 without a loss scaler: fix that before "
-    "restarting",
+    "fp16_without_scaler": "the run trains FP16 without a loss scaler: fix that before restarting",
     "clip_before_unscale": "the run clips gradients before scaler.unscale_ (the threshold "
     "is off by the loss scale): fix that before restarting",
 }

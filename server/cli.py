@@ -51,8 +51,8 @@ def cmd_serve(args: argparse.Namespace) -> int:
     from ampwatch.server.serving import serve
 
     settings = _settings(args)
-    dashboard = f"dashboard {settings.public_url}/dashboard/" if settings.dashboard else (
-        "no dashboard"
+    dashboard = (
+        f"dashboard {settings.public_url}/dashboard/" if settings.dashboard else ("no dashboard")
     )
     # The URL's password (PostgreSQL) stays out of the logs.
     database = make_url(settings.database_url).render_as_string(hide_password=True)
@@ -121,8 +121,11 @@ def cmd_fetch_plotly(args: argparse.Namespace) -> int:
     try:
         path = plotly_bundle.fetch(folder)
     except (httpx.HTTPError, ValueError, OSError) as exc:
-        print(f"could not fetch plotly.js's cartesian bundle ({exc}); the dashboard serves "
-              "the full bundle instead", file=sys.stderr)
+        print(
+            f"could not fetch plotly.js's cartesian bundle ({exc}); the dashboard serves "
+            "the full bundle instead",
+            file=sys.stderr,
+        )
         return 1
     print(f"plotly.js {plotly_bundle.VERSION} cartesian bundle: {path}")
     return 0
@@ -160,8 +163,10 @@ def cmd_token(args: argparse.Namespace) -> int:
                     session, project=args.project, name=args.name or "", scope=args.scope
                 )
                 where = f"project {issued.project!r}" if issued.project else "every project"
-                print(f"{issued.scope} token {issued.prefix} ({issued.name}) for {where}; "
-                      "shown only now:")
+                print(
+                    f"{issued.scope} token {issued.prefix} ({issued.name}) for {where}; "
+                    "shown only now:"
+                )
                 print(issued.token)
             elif args.action == "revoke":
                 if not auth.revoke_token(session, args.prefix):
@@ -270,9 +275,7 @@ def format_restart_candidates(answer: dict[str, object]) -> str:
     for c in candidates:
         step = "-" if c["step"] is None else str(c["step"])
         scale, norm = _number(c["loss_scale"], ".6g"), _number(c["act_norm"], ".4g")
-        lines.append(
-            f"{step:>10}  {c['verdict']:<11}  {scale:>10}  {norm:>9}  {c['path'] or '-'}"
-        )
+        lines.append(f"{step:>10}  {c['verdict']:<11}  {scale:>10}  {norm:>9}  {c['path'] or '-'}")
         lines.extend(f"{'':>12}- {reason}" for reason in c["reasons"])
     return "\n".join(lines)
 
@@ -293,8 +296,12 @@ def cmd_webhook(args: argparse.Namespace) -> int:
     try:
         with _api(args) as api:
             if args.action == "add":
-                body = {"url": args.webhook_url, "format": args.format,
-                        "min_severity": args.min_severity, "project": args.project}
+                body = {
+                    "url": args.webhook_url,
+                    "format": args.format,
+                    "min_severity": args.min_severity,
+                    "project": args.project,
+                }
                 hook = _call(api, "POST", "/webhooks", json=body).json()
                 print(f"webhook {hook['id']} added: {hook['format']} -> {hook['url']}")
             elif args.action == "remove":
@@ -307,8 +314,10 @@ def cmd_webhook(args: argparse.Namespace) -> int:
             else:
                 for hook in _call(api, "GET", "/webhooks").json()["webhooks"]:
                     project = hook["project"] or "(every project)"
-                    print(f"{hook['id']}  {project}  {hook['format']}  "
-                          f">={hook['min_severity']}  {hook['url']}")
+                    print(
+                        f"{hook['id']}  {project}  {hook['format']}  "
+                        f">={hook['min_severity']}  {hook['url']}"
+                    )
     except _ApiError as error:
         print(f"ampwatch webhook: {error}", file=sys.stderr)
         return 1
@@ -373,8 +382,10 @@ def build_parser() -> argparse.ArgumentParser:
         description="The dashboard serves it instead of the full 4.8 MB plotly.js when present; "
         "the download is checked against a pinned sha512.",
     )
-    fetch.add_argument("--dir", help="where to store it (AMPWATCH_ASSETS_DIR, default "
-                       "<python prefix>/share/ampwatch)")
+    fetch.add_argument(
+        "--dir",
+        help="where to store it (AMPWATCH_ASSETS_DIR, default <python prefix>/share/ampwatch)",
+    )
     fetch.set_defaults(func=cmd_fetch_plotly)
 
     token = sub.add_parser("token", help="API tokens: create, list, revoke")
@@ -382,9 +393,7 @@ def build_parser() -> argparse.ArgumentParser:
     create = token_sub.add_parser("create", help="create a token and print it (once)")
     scope = create.add_mutually_exclusive_group(required=True)
     scope.add_argument("--project", help="the project whose runs the token may see")
-    scope.add_argument(
-        "--admin", action="store_true", help="a token for every project (operators)"
-    )
+    scope.add_argument("--admin", action="store_true", help="a token for every project (operators)")
     create.add_argument(
         "--scope",
         choices=TOKEN_SCOPES,
@@ -429,8 +438,7 @@ def build_parser() -> argparse.ArgumentParser:
     add.add_argument("webhook_url", metavar="URL", help="http(s) URL of the receiver")
     add.add_argument("--format", choices=["slack", "generic"], default="generic")
     add.add_argument("--project", help="whose alerts (default: the token's project; admin: all)")
-    add.add_argument("--min-severity", choices=["info", "warning", "critical"],
-                     default="warning")
+    add.add_argument("--min-severity", choices=["info", "warning", "critical"], default="warning")
     webhook_sub.add_parser("list", help="list webhooks")
     for action in ("remove", "test"):
         p = webhook_sub.add_parser(action, help=f"{action} a webhook by its id")

@@ -168,7 +168,10 @@ def _recipe_stats(recipe: str) -> list[tuple[str, str, str, str, str]]:
 
 
 def recipe_scores(
-    data: dict[tuple[str, int], np.ndarray], step: int, recipe: str, limits: Fp8Limits,
+    data: dict[tuple[str, int], np.ndarray],
+    step: int,
+    recipe: str,
+    limits: Fp8Limits,
     n_layers: int,
 ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
     """Per layer: the recipe's score (NaN: no role measured) and each role's score."""
@@ -196,21 +199,33 @@ def _reason(layer: Fp8Layer, limits: Fp8Limits) -> str:
     if base is None or not base.roles:
         return "not measured"
     role, worst = max(base.roles.items(), key=lambda item: item[1].score)
-    said = (f"per-tensor {worst.format.upper()}: {role} flush {_pct(worst.flush)}, "
-            f"saturate {_pct(worst.saturate)}, error {worst.error:.3f}")
+    said = (
+        f"per-tensor {worst.format.upper()}: {role} flush {_pct(worst.flush)}, "
+        f"saturate {_pct(worst.saturate)}, error {worst.error:.3f}"
+    )
     if layer.verdict == "fits":
         return f"fits every limit; {said}"
     finer = [(name, fit) for name, fit in layer.recipes.items() if name != PER_TENSOR]
     name, fit = min(finer, key=lambda item: item[1].score)
     other = fit.roles.get(role)
-    then = (f"; {name} ({other.scaling} {other.format.upper()}): flush {_pct(other.flush)}, "
-            f"saturate {_pct(other.saturate)}, error {other.error:.3f}") if other else ""
-    limit = (f" (limits: flush {_pct(limits.max_flush)}, saturate {_pct(limits.max_saturate)})")
+    then = (
+        (
+            f"; {name} ({other.scaling} {other.format.upper()}): flush {_pct(other.flush)}, "
+            f"saturate {_pct(other.saturate)}, error {other.error:.3f}"
+        )
+        if other
+        else ""
+    )
+    limit = f" (limits: flush {_pct(limits.max_flush)}, saturate {_pct(limits.max_saturate)})"
     return said + then + limit
 
 
 def fp8_readiness(
-    session: Session, run_id: int, *, rank: int = 0, limits: Fp8Limits | None = None,
+    session: Session,
+    run_id: int,
+    *,
+    rank: int = 0,
+    limits: Fp8Limits | None = None,
     max_steps: int = 64,
 ) -> Fp8Readiness:
     """The run's FP8 readiness at its latest FP8 sample, worst layers first, with each
@@ -264,9 +279,14 @@ def fp8_readiness(
 
 
 def _layer(
-    i: int, name: str, latest: dict[tuple[str, int], np.ndarray], last: int,
+    i: int,
+    name: str,
+    latest: dict[tuple[str, int], np.ndarray],
+    last: int,
     now: dict[str, tuple[np.ndarray, dict[str, np.ndarray]]],
-    scores: dict[str, list[np.ndarray]], steps: list[int], limits: Fp8Limits,
+    scores: dict[str, list[np.ndarray]],
+    steps: list[int],
+    limits: Fp8Limits,
 ) -> Fp8Layer:
     def value(stat: str) -> float | None:
         vector = latest.get((stat, last))
@@ -279,8 +299,9 @@ def _layer(
             got = {m: value(wire.fp8_stat(role, fmt, scaling, m)) for m in wire.FP8_METRICS}
             if any(v is None for v in got.values()):
                 continue
-            roles[role] = RoleMeasure(format=fmt, scaling=scaling, score=float(by_role[role][i]),
-                                      **got)  # type: ignore[arg-type]
+            roles[role] = RoleMeasure(
+                format=fmt, scaling=scaling, score=float(by_role[role][i]), **got
+            )  # type: ignore[arg-type]
         if roles:
             recipes[recipe] = RecipeFit(fits=bool(total[i] <= 1), score=float(total[i]),
                                         roles=roles)  # fmt: skip
@@ -422,10 +443,12 @@ def loss_scale_advice(
             f"with S = 2^{k_high}: {_pct(best.flush)} flush, {_pct(best.overflow)} overflow "
             f"(at most); every S from 2^{k_low} to 2^{k_high} ({octaves + 1} powers of two) "
             "flushed and overflowed nothing in the histograms read; "
-            + ("the range is wide, so torch's default growth_interval 2000 costs little"
-               if octaves >= 4 else
-               f"the range is narrow: each growth beyond 2^{k_high} overflows and skips a "
-               "step, so grow every 10000 steps")
+            + (
+                "the range is wide, so torch's default growth_interval 2000 costs little"
+                if octaves >= 4
+                else f"the range is narrow: each growth beyond 2^{k_high} overflows and skips a "
+                "step, so grow every 10000 steps"
+            )
         )
     else:
         # No scale is clean: the gradients span more than FP16's range. Pick the scale that

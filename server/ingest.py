@@ -273,7 +273,9 @@ def _store_histograms(
             key = (record.rank, layer_idx[name], record.step)
             packed = counts.astype("<i8", copy=False).tobytes()
             latest[key] = (run_id, *key, first_bin, packed)
-    _upsert(session, LayerHistogram, _HISTOGRAM_COLUMNS, list(latest.values()), _HISTOGRAM_COLUMNS[:4])
+    _upsert(
+        session, LayerHistogram, _HISTOGRAM_COLUMNS, list(latest.values()), _HISTOGRAM_COLUMNS[:4]
+    )
 
 
 def _apply_events(session: Session, run: Run, events: list[EventIn]) -> None:

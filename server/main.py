@@ -116,8 +116,10 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     # Compressed for a browser across a network (an SSH tunnel to the cluster, say): a
     # first visit's 2.7 MB of scripts and ~0.9 MB of page data shrink to about a third.
     # Level 1: ~10 ms of server CPU per MB; higher levels cost 3x for a few percent more.
-    app.mount(DASHBOARD_PATH, GZipMiddleware(
-        WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1))  # type: ignore[arg-type]
+    app.mount(
+        DASHBOARD_PATH,
+        GZipMiddleware(WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1),
+    )  # type: ignore[arg-type]
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

@@ -435,9 +435,7 @@ class AlertConfig(Base):
     project's, which win over the collector's file and the built-in defaults."""
 
     __tablename__ = "alert_configs"
-    __table_args__ = (
-        CheckConstraint("(project IS NULL) <> (run_id IS NULL)", name="one_scope"),
-    )
+    __table_args__ = (CheckConstraint("(project IS NULL) <> (run_id IS NULL)", name="one_scope"),)
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project: Mapped[str | None] = mapped_column(

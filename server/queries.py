@@ -99,12 +99,16 @@ def skip_rates(session: Session, run_ids: list[int] | Select[Any]) -> dict[int, 
     )
     per_rank = select(
         cutoffs.c.run_id,
-        select(func.sum(StepRollup.skipped_count)).where(*recent).scalar_subquery().label("skipped"),
+        select(func.sum(StepRollup.skipped_count))
+        .where(*recent)
+        .scalar_subquery()
+        .label("skipped"),
         select(func.sum(StepRollup.step_count)).where(*recent).scalar_subquery().label("counted"),
     ).subquery()
     rows = session.execute(
-        select(per_rank.c.run_id, func.sum(per_rank.c.skipped), func.sum(per_rank.c.counted))
-        .group_by(per_rank.c.run_id)
+        select(
+            per_rank.c.run_id, func.sum(per_rank.c.skipped), func.sum(per_rank.c.counted)
+        ).group_by(per_rank.c.run_id)
     )
     # float(): PostgreSQL sums bigints as numeric (Decimal).
     return {
@@ -113,7 +117,11 @@ def skip_rates(session: Session, run_ids: list[int] | Select[Any]) -> dict[int, 
 
 
 def _run_public(
-    run: Run, steps: Any, last_step: Any, skipped: Any, scale: Any,
+    run: Run,
+    steps: Any,
+    last_step: Any,
+    skipped: Any,
+    scale: Any,
     skip_rate: float | None = None,
 ) -> RunPublic:
     return RunPublic(

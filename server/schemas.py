@@ -226,8 +226,10 @@ class LayerStatsIn(_WireModel):
     ) -> dict[str, npt.NDArray[np.float64]]:
         unknown = sorted(set(stats) - set(PARAMETER_STATS))
         if unknown:
-            raise ValueError(f"unknown statistic(s) {unknown}; this collector knows {LAYER_STATS} "
-                             "and wire.FP8_STATS (fp8_...)")
+            raise ValueError(
+                f"unknown statistic(s) {unknown}; this collector knows {LAYER_STATS} "
+                "and wire.FP8_STATS (fp8_...)"
+            )
         return stats
 
     @model_validator(mode="after")

@@ -154,7 +154,9 @@ def step_series(
         raw_ranges = [(low, high)]
         if full_low < full_high:
             raw_ranges = [(low, full_low - 1), (full_high + 1, high)]
-            _merge(buckets, session.execute(_rollup_query(run_id, rank, full_low, full_high, width)))
+            _merge(
+                buckets, session.execute(_rollup_query(run_id, rank, full_low, full_high, width))
+            )
     for first, last in raw_ranges:
         if first > last:
             continue
@@ -211,10 +213,14 @@ def _columns(
     skipped_count: list[int] = []
     floats: dict[str, list[WireFloat | None]] = {name: [] for name in STEP_FLOAT_FIELDS}
     for bucket in buckets:
-        points = [(bucket.first, 0)] if bucket.first == bucket.last else [
-            (bucket.first, 0),
-            (bucket.last, 1),
-        ]
+        points = (
+            [(bucket.first, 0)]
+            if bucket.first == bucket.last
+            else [
+                (bucket.first, 0),
+                (bucket.last, 1),
+            ]
+        )
         for step, extreme in points:
             steps.append(step)
             count = bucket.skipped if extreme == 0 else 0
@@ -266,8 +272,10 @@ def _step_starts(steps: npt.NDArray[np.int64], width: int) -> npt.NDArray[np.int
 
 
 def _max_reduce(
-    values: npt.NDArray[np.float64], missing: npt.NDArray[np.bool_],
-    starts: npt.NDArray[np.intp], axis: int,
+    values: npt.NDArray[np.float64],
+    missing: npt.NDArray[np.bool_],
+    starts: npt.NDArray[np.intp],
+    axis: int,
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
     """Bucket maxima along `axis` (NaN wins, missing ignored) and all-missing masks."""
     maxima = np.maximum.reduceat(np.where(missing, -np.inf, values), starts, axis=axis)

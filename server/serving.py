@@ -109,8 +109,9 @@ class BackgroundCollector:
     ...     print(collector.url)
     """
 
-    def __init__(self, settings: Settings, *, sock: socket.socket | None = None,
-                 start_timeout: float = 30.0) -> None:
+    def __init__(
+        self, settings: Settings, *, sock: socket.socket | None = None, start_timeout: float = 30.0
+    ) -> None:
         self.settings = settings
         self._sock = sock
         self._start_timeout = start_timeout
@@ -127,8 +128,10 @@ class BackgroundCollector:
         if self._sock is None:
             self._sock = bind_socket(self.settings.host, self.settings.port)
         self._thread = threading.Thread(
-            target=self._server.run, kwargs={"sockets": [self._sock]},
-            name="ampwatch-collector", daemon=True,
+            target=self._server.run,
+            kwargs={"sockets": [self._sock]},
+            name="ampwatch-collector",
+            daemon=True,
         )
         self._thread.start()
         deadline = time.monotonic() + self._start_timeout

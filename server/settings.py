@@ -16,8 +16,9 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 #: An allow-listed network; "127.0.0.1" alone means 127.0.0.1/32.
 IPNetwork = Annotated[
     ipaddress.IPv4Network | ipaddress.IPv6Network,
-    BeforeValidator(lambda value: ipaddress.ip_network(value, strict=False)
-                    if isinstance(value, str) else value),
+    BeforeValidator(
+        lambda value: ipaddress.ip_network(value, strict=False) if isinstance(value, str) else value
+    ),
 ]
 
 #: Hosts that mean "every interface" when binding but cannot be dialled as a destination.

@@ -100,8 +100,9 @@ def serve_collector(
     `settings` are further `Settings` fields, e.g. `max_body_bytes=1024`.
     """
     sock = bind_socket()
-    config = Settings(database_url=database_url, port=sock.getsockname()[1],
-                      dashboard=dashboard, **settings)
+    config = Settings(
+        database_url=database_url, port=sock.getsockname()[1], dashboard=dashboard, **settings
+    )
     with BackgroundCollector(config, sock=sock):
         yield LiveCollector(url=config.public_url, database_url=database_url, settings=config)
 

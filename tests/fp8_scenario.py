@@ -38,7 +38,9 @@ def train_outlier_run(url: str, run_id: str = "fp8") -> nn.Module:
     return model
 
 
-def outlier_records(steps: int, every: int, *, heal_at: int | None = None) -> list[LayerStatsRecord]:
+def outlier_records(
+    steps: int, every: int, *, heal_at: int | None = None
+) -> list[LayerStatsRecord]:
     """The real agent's FP8 records (`Fp8Monitor`, no transport) of the outlier model's SGD
     steps 1..`steps`, sampled every `every`; from step `heal_at` on, the outlier channels
     are scaled back to the others' size, so that layer fits per-tensor scaling again."""

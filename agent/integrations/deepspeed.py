@@ -58,8 +58,7 @@ def watch(engine: Any, **watch_kwargs: Any) -> WatchHandle:
     for owned in ("start_step", "optimizer", "scaler"):
         if owned in watch_kwargs:
             raise TypeError(f"watch(engine) sets {owned} itself from the engine")
-    handle = watch_model(engine.module, None, None, start_step=engine.global_steps,
-                         **watch_kwargs)
+    handle = watch_model(engine.module, None, None, start_step=engine.global_steps, **watch_kwargs)
     tap = _EngineTap(engine, handle)
     tap.attach()
     handle._detach_actions.insert(0, tap.detach)
@@ -154,8 +153,11 @@ class _EngineTap:
             grads = [(n, safe_get_full_grad(p)) for n, p in named]
             divide = scale or 1.0
         names = [n for n, g in grads if g is not None and g.numel()]
-        tensors = [g.detach() / divide if divide != 1.0 else g.detach()
-                   for _, g in grads if g is not None and g.numel()]
+        tensors = [
+            g.detach() / divide if divide != 1.0 else g.detach()
+            for _, g in grads
+            if g is not None and g.numel()
+        ]
         device_scale = None
         if tensors and scale is not None:
             device_scale = torch.tensor(scale, dtype=torch.float32, device=tensors[0].device)

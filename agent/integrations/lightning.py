@@ -125,7 +125,11 @@ class AmpwatchCallback(Callback):
             self._lr = optimizer.param_groups[0].get("lr")  # before the scheduler steps
 
     def on_train_batch_end(
-        self, trainer: Trainer, pl_module: LightningModule, outputs: Any, batch: Any,
+        self,
+        trainer: Trainer,
+        pl_module: LightningModule,
+        outputs: Any,
+        batch: Any,
         batch_idx: int,
     ) -> None:
         handle, scaler = self.handle, self._scaler

@@ -51,7 +51,12 @@ class AmpwatchCallback(TrainerCallback):
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
 
     def on_train_begin(
-        self, args: Any, state: Any, control: Any, model: Any = None, optimizer: Any = None,
+        self,
+        args: Any,
+        state: Any,
+        control: Any,
+        model: Any = None,
+        optimizer: Any = None,
         **kwargs: Any,
     ) -> None:
         if self.handle is not None or model is None:

@@ -47,7 +47,6 @@ def upgrade() -> None:
         ),
     )
 
-
     op.create_table(
         "step_rollups",
         sa.Column(

@@ -24,11 +24,10 @@ down_revision: str | None = "0005"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
+
 def upgrade() -> None:
     with op.batch_alter_table("step_rollups") as batch:
-        batch.add_column(
-            sa.Column("step_count", sa.Integer(), nullable=False, server_default="0")
-        )
+        batch.add_column(sa.Column("step_count", sa.Integer(), nullable=False, server_default="0"))
     # 63 = ROLLUP_WIDTH - 1: a bucket is the 64 steps from its bucket_start.
     op.execute(
         "UPDATE step_rollups SET step_count = (SELECT count(*) FROM steps"

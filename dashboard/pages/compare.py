@@ -18,26 +18,32 @@ GRAPH_CONFIG = dcc.Graph.Config(displaylogo=False, responsive=True)
 COMPARE_POINTS = 1000
 
 
-def layout(run_ids: list[int] | None = None, client: CollectorClient | None = None,
-           **_kwargs: Any) -> html.Div:
+def layout(
+    run_ids: list[int] | None = None, client: CollectorClient | None = None, **_kwargs: Any
+) -> html.Div:
     """The picker lists the collector's runs when the page is drawn: a dropdown whose
     value is not among its options would drop it."""
     options: list[dict[str, Any]] = []
     if client is not None:
         try:
-            options = [{"label": f"{run.name} ({run.project}, #{run.id})", "value": run.id}
-                       for run in client.list_runs()]
+            options = [
+                {"label": f"{run.name} ({run.project}, #{run.id})", "value": run.id}
+                for run in client.list_runs()
+            ]
         except CollectorError:
             pass
     known = {option["value"] for option in options}
     return html.Div(
         [
             html.H2("Compare runs"),
-            dcc.Dropdown(id=ids.COMPARE_PICK, multi=True, options=options,
-                         value=[r for r in run_ids or [] if r in known],
-                         placeholder="pick two or more runs…"),
-            dcc.Graph(id=ids.COMPARE_GRAPH, config=GRAPH_CONFIG,
-                      figure=figures.compare_figure([])),
+            dcc.Dropdown(
+                id=ids.COMPARE_PICK,
+                multi=True,
+                options=options,
+                value=[r for r in run_ids or [] if r in known],
+                placeholder="pick two or more runs…",
+            ),
+            dcc.Graph(id=ids.COMPARE_GRAPH, config=GRAPH_CONFIG, figure=figures.compare_figure([])),
         ]
     )
 
@@ -46,8 +52,10 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
     @app.callback(Output(ids.COMPARE_GRAPH, "figure"), Input(ids.COMPARE_PICK, "value"))
     def compare(run_ids: list[int] | None) -> go.Figure:
         try:
-            runs = [(client.get_run(int(r)).name,
-                     client.steps(int(r), max_points=COMPARE_POINTS)) for r in run_ids or []]
+            runs = [
+                (client.get_run(int(r)).name, client.steps(int(r), max_points=COMPARE_POINTS))
+                for r in run_ids or []
+            ]
         except CollectorError as exc:
             return figures.empty_figure("Compare runs", str(exc))
         return figures.compare_figure(unique_names(runs))

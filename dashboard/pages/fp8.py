@@ -33,14 +33,17 @@ def _table(rows: list[dict[str, str]]) -> html.Table:
         return html.Table()
     columns = list(rows[0])
     return html.Table(
-        [html.Thead(html.Tr([html.Th(c) for c in columns])),
-         html.Tbody([html.Tr([html.Td(row[c]) for c in columns]) for row in rows[:TABLE_ROWS]])],
+        [
+            html.Thead(html.Tr([html.Th(c) for c in columns])),
+            html.Tbody([html.Tr([html.Td(row[c]) for c in columns]) for row in rows[:TABLE_ROWS]]),
+        ],
         className="fp8-verdicts",
     )
 
 
-def fp8_view(client: CollectorClient | None, run_id: int, back: str) -> tuple[
-        list[Any], dict[str, Any] | None]:
+def fp8_view(
+    client: CollectorClient | None, run_id: int, back: str
+) -> tuple[list[Any], dict[str, Any] | None]:
     """The page's body (crumbs, summary, matrix, verdict table, loss-scale advice) and the
     readiness answer the trend chart is drawn from (None: nothing to draw)."""
     if client is None:
@@ -53,52 +56,84 @@ def fp8_view(client: CollectorClient | None, run_id: int, back: str) -> tuple[
         return [html.P(f"There is no run {run_id} on this collector.", className="error")], None
     except CollectorError as exc:
         return [html.P(str(exc), className="error")], None
-    crumbs = html.Div([dcc.Link(f"← {run.name}", href=back),
-                       html.Span(" / FP8 readiness", className="muted")], className="crumbs")
+    crumbs = html.Div(
+        [dcc.Link(f"← {run.name}", href=back), html.Span(" / FP8 readiness", className="muted")],
+        className="crumbs",
+    )
     if readiness is None:
-        return [crumbs, html.P("This collector has no FP8 readiness view.",
-                               className="muted")], None
+        return [
+            crumbs,
+            html.P("This collector has no FP8 readiness view.", className="muted"),
+        ], None
     summary = ", ".join(f"{n} {VERDICT_LABELS[v]}" for v, n in readiness["summary"].items())
     declared = readiness.get("declared_recipe")
     children: list[Any] = [
         crumbs,
         html.H2(f"{run.name}: FP8 readiness"),
-        html.P([f"{summary}. ", f"Declared recipe: {declared}." if declared else
-                "No FP8 recipe declared (watch(fp8_recipe=...))."]),
-        dcc.Graph(id=ids.FP8_MATRIX_GRAPH, config=GRAPH_CONFIG,
-                  figure=readiness_matrix_figure(readiness)),
+        html.P(
+            [
+                f"{summary}. ",
+                f"Declared recipe: {declared}."
+                if declared
+                else "No FP8 recipe declared (watch(fp8_recipe=...)).",
+            ]
+        ),
+        dcc.Graph(
+            id=ids.FP8_MATRIX_GRAPH, config=GRAPH_CONFIG, figure=readiness_matrix_figure(readiness)
+        ),
         _table(verdict_rows(readiness)),
     ]
     if advice is not None:
         children += [
             html.H3("Loss-scale advice (FP16)"),
-            html.P(advice["why"] if not advice["applies"] else [
-                f"init_scale = {advice['init_scale']:g}, growth_interval = "
-                f"{advice['growth_interval']}: " if advice["init_scale"] else "",
-                advice["reason"],
-                f" (from {advice['steps_read']} of {advice['steps_sampled']} sampled steps)",
-            ], id=ids.FP8_LOSS_SCALE_ADVICE),
+            html.P(
+                advice["why"]
+                if not advice["applies"]
+                else [
+                    f"init_scale = {advice['init_scale']:g}, growth_interval = "
+                    f"{advice['growth_interval']}: "
+                    if advice["init_scale"]
+                    else "",
+                    advice["reason"],
+                    f" (from {advice['steps_read']} of {advice['steps_sampled']} sampled steps)",
+                ],
+                id=ids.FP8_LOSS_SCALE_ADVICE,
+            ),
             dcc.Graph(config=GRAPH_CONFIG, figure=loss_scale_figure(advice)),
         ]
     return children, readiness
 
 
-def layout(run_id: int = 0, client: CollectorClient | None = None, back: str = "",
-           **_kwargs: Any) -> html.Div:
+def layout(
+    run_id: int = 0, client: CollectorClient | None = None, back: str = "", **_kwargs: Any
+) -> html.Div:
     body, readiness = fp8_view(client, run_id, back)
     recipes = list(readiness["recipes"]) if readiness else []
     chosen = (readiness or {}).get("declared_recipe") or "per_tensor"
-    return html.Div([
-        dcc.Store(id=ids.FP8_RUN_ID, data=run_id),
-        html.Div(id=ids.FP8_BODY, children=body),
-        html.Div([
-            dcc.Dropdown(id=ids.FP8_TREND_RECIPE, clearable=False, value=chosen,
-                         options=[{"label": r, "value": r} for r in recipes]),
-            dcc.Graph(id=ids.FP8_TREND_GRAPH, config=GRAPH_CONFIG,
-                      figure=readiness_trend_figure(readiness) if readiness else
-                      readiness_trend_figure({"layers": [], "steps": []})),
-        ], style={} if readiness else {"display": "none"}),
-    ])
+    return html.Div(
+        [
+            dcc.Store(id=ids.FP8_RUN_ID, data=run_id),
+            html.Div(id=ids.FP8_BODY, children=body),
+            html.Div(
+                [
+                    dcc.Dropdown(
+                        id=ids.FP8_TREND_RECIPE,
+                        clearable=False,
+                        value=chosen,
+                        options=[{"label": r, "value": r} for r in recipes],
+                    ),
+                    dcc.Graph(
+                        id=ids.FP8_TREND_GRAPH,
+                        config=GRAPH_CONFIG,
+                        figure=readiness_trend_figure(readiness)
+                        if readiness
+                        else readiness_trend_figure({"layers": [], "steps": []}),
+                    ),
+                ],
+                style={} if readiness else {"display": "none"},
+            ),
+        ]
+    )
 
 
 def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:

@@ -28,19 +28,27 @@ GRAPH_CONFIG = dcc.Graph.Config(displaylogo=False, responsive=True)
 FRACTION_STATS = tuple(s for s in LAYER_STATS if s.endswith("_fraction"))
 
 
-def layout(run_id: int = 0, layer: str = "", step: int | None = None, **_kwargs: Any
-           ) -> html.Div:
+def layout(run_id: int = 0, layer: str = "", step: int | None = None, **_kwargs: Any) -> html.Div:
     return html.Div(
         [
             dcc.Store(id=ids.LAYER_KEY, data={"run_id": run_id, "layer": layer, "step": step}),
             html.Div(id=ids.LAYER_HEADER, children=html.H2(layer)),
-            dcc.Dropdown(id=ids.LAYER_PICK, value=layer, clearable=False,
-                         options=[{"label": layer, "value": layer}]),
-            dcc.Graph(id=ids.LAYER_HISTOGRAM_GRAPH, config=GRAPH_CONFIG,
-                      figure=figures.empty_figure("Gradient exponent histogram", "Loading…")),
-            dcc.Graph(id=ids.LAYER_SERIES_GRAPH, config=GRAPH_CONFIG,
-                      figure=figures.empty_figure("Gradient statistics of this layer",
-                                                  "Loading…")),
+            dcc.Dropdown(
+                id=ids.LAYER_PICK,
+                value=layer,
+                clearable=False,
+                options=[{"label": layer, "value": layer}],
+            ),
+            dcc.Graph(
+                id=ids.LAYER_HISTOGRAM_GRAPH,
+                config=GRAPH_CONFIG,
+                figure=figures.empty_figure("Gradient exponent histogram", "Loading…"),
+            ),
+            dcc.Graph(
+                id=ids.LAYER_SERIES_GRAPH,
+                config=GRAPH_CONFIG,
+                figure=figures.empty_figure("Gradient statistics of this layer", "Loading…"),
+            ),
         ]
     )
 
@@ -61,8 +69,9 @@ def index_from(steps: list[int], step: int | None) -> int | None:
 LayerView = tuple[Any, go.Figure, go.Figure, list[dict[str, str]]]
 
 
-def layer_view(client: CollectorClient, run_id: int, layer: str, step: int | None,
-               back: str) -> LayerView:
+def layer_view(
+    client: CollectorClient, run_id: int, layer: str, step: int | None, back: str
+) -> LayerView:
     """Header, histogram figure, series figure and the layer dropdown's options."""
     try:
         run = client.get_run(run_id)
@@ -73,25 +82,36 @@ def layer_view(client: CollectorClient, run_id: int, layer: str, step: int | Non
         max_abs = client.layer_series(run_id, layer, "max_abs_scaled")
         hists = client.layer_histograms(run_id, layer)
         if step is not None and step not in hists.steps:  # the first sampled from `step`
-            hists = hists.merged(client.layer_histograms(run_id, layer, start=step,
-                                                         max_points=1))
-        scale_steps = (client.steps(run_id, start=hists.steps[0], end=hists.steps[-1])
-                       if hists.steps else None)
+            hists = hists.merged(client.layer_histograms(run_id, layer, start=step, max_points=1))
+        scale_steps = (
+            client.steps(run_id, start=hists.steps[0], end=hists.steps[-1]) if hists.steps else None
+        )
     except RunNotFound:
         message = f"There is no layer {layer!r} in run {run_id} on this collector."
         blank = go.Figure()
-        return html.Div([html.P(message, className="error"), dcc.Link("← back", href=back)]), \
-            blank, blank, []
+        return (
+            html.Div([html.P(message, className="error"), dcc.Link("← back", href=back)]),
+            blank,
+            blank,
+            [],
+        )
     except CollectorError as exc:
         blank = go.Figure()
         return html.P(str(exc), className="error"), blank, blank, []
-    scales = (scales_at(hists.steps, scale_steps.step, scale_steps.loss_scale)
-              if scale_steps is not None else [])
-    header = html.Div([
-        html.Div([dcc.Link(f"← {run.name}", href=back), html.Span(" / layer", className="muted")],
-                 className="crumbs"),
-        html.H2(layer),
-    ])
+    scales = (
+        scales_at(hists.steps, scale_steps.step, scale_steps.loss_scale)
+        if scale_steps is not None
+        else []
+    )
+    header = html.Div(
+        [
+            html.Div(
+                [dcc.Link(f"← {run.name}", href=back), html.Span(" / layer", className="muted")],
+                className="crumbs",
+            ),
+            html.H2(layer),
+        ]
+    )
     return (
         header,
         exponent_histogram_figure(hists, scales, active=index_from(hists.steps, step)),
@@ -110,8 +130,9 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
     )
     def render(key: dict[str, Any]) -> LayerView:
         run_id = int(key["run_id"])
-        return layer_view(client, run_id, str(key["layer"]), key.get("step"),
-                          href(app, run_path(run_id)))
+        return layer_view(
+            client, run_id, str(key["layer"]), key.get("step"), href(app, run_path(run_id))
+        )
 
     @app.callback(
         Output(ids.URL, "href", allow_duplicate=True),

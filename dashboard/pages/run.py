@@ -71,16 +71,30 @@ X_RANGE_KEY = re.compile(r"^xaxis\d*\.range(\[[01]\])?$")
 X_AUTORANGE_KEY = re.compile(r"^xaxis\d*\.autorange$")
 
 
-def layout(run_id: int = 0, client: CollectorClient | None = None,
-           data: dict[str, Any] | None = None, fp8_href: str | None = None,
-           **_kwargs: Any) -> html.Div:
+def layout(
+    run_id: int = 0,
+    client: CollectorClient | None = None,
+    data: dict[str, Any] | None = None,
+    fp8_href: str | None = None,
+    **_kwargs: Any,
+) -> html.Div:
     """The page, drawn with the run's data -- `data` as `fetch_run_data` returns it, or
     read through `client` -- so the first render needs no callback round trip (fetch,
     then render) of its own."""
     if data is None and client is not None:
         data = fetch_run_data(client, run_id)
-    (header, loss_scale, skip_rate, grad_norm, activation, heatmap, alerts, alert_items,
-     checkpoints, style) = render_run(data)
+    (
+        header,
+        loss_scale,
+        skip_rate,
+        grad_norm,
+        activation,
+        heatmap,
+        alerts,
+        alert_items,
+        checkpoints,
+        style,
+    ) = render_run(data)
 
     def graph(graph_id: str, figure: go.Figure) -> dcc.Graph:
         return dcc.Graph(id=graph_id, figure=figure, config=GRAPH_CONFIG)
@@ -92,24 +106,40 @@ def layout(run_id: int = 0, client: CollectorClient | None = None,
             dcc.Store(id=ids.RUN_CURSOR, data=cursor_of(data)),
             dcc.Store(id=ids.RUN_ZOOM),
             dcc.Interval(id=ids.RUN_REFRESH, interval=REFRESH_MS),
-            html.Div(id=ids.RUN_HEADER,
-                     children=html.H2(f"Run {run_id}") if header is dash.no_update else header),
-            dcc.Link("FP8 readiness and loss-scale advice →", href=fp8_href or "",
-                     className="nav", style={} if fp8_href else HIDDEN),
+            html.Div(
+                id=ids.RUN_HEADER,
+                children=html.H2(f"Run {run_id}") if header is dash.no_update else header,
+            ),
+            dcc.Link(
+                "FP8 readiness and loss-scale advice →",
+                href=fp8_href or "",
+                className="nav",
+                style={} if fp8_href else HIDDEN,
+            ),
             html.Div(
                 id=ids.RUN_GRAPHS,
                 style=style,
                 children=[
                     graph(ids.LOSS_SCALE_GRAPH, loss_scale),
-                    html.Div([graph(ids.SKIP_RATE_GRAPH, skip_rate),
-                              graph(ids.GRAD_NORM_GRAPH, grad_norm)], className="pair"),
+                    html.Div(
+                        [
+                            graph(ids.SKIP_RATE_GRAPH, skip_rate),
+                            graph(ids.GRAD_NORM_GRAPH, grad_norm),
+                        ],
+                        className="pair",
+                    ),
                     graph(ids.ACTIVATION_NORM_GRAPH, activation),
                     html.Div(
                         [
-                            dcc.RadioItems(id=ids.HEATMAP_STAT, options=HEATMAP_OPTIONS,
-                                           value="zero_fraction", inline=True),
-                            dcc.Dropdown(id=ids.RUN_LAYER_PICK, placeholder="open a layer…",
-                                         clearable=True),
+                            dcc.RadioItems(
+                                id=ids.HEATMAP_STAT,
+                                options=HEATMAP_OPTIONS,
+                                value="zero_fraction",
+                                inline=True,
+                            ),
+                            dcc.Dropdown(
+                                id=ids.RUN_LAYER_PICK, placeholder="open a layer…", clearable=True
+                            ),
                         ],
                         className="controls",
                     ),
@@ -128,8 +158,9 @@ def _optional(value: Any) -> Any:
     return None if value is None else value.to_json()
 
 
-def select_alerts(alerts: list[Alert], limit: int = SHOWN_ALERTS
-                  ) -> tuple[list[Alert], dict[str, int]]:
+def select_alerts(
+    alerts: list[Alert], limit: int = SHOWN_ALERTS
+) -> tuple[list[Alert], dict[str, int]]:
     """The `limit` alerts that matter most -- firing before pending before resolved,
     critical first, run-wide before per-layer, latest first -- and a count per rule of the
     others. A model-wide risk can fire once per layer (500 alerts); the page shows the
@@ -141,9 +172,15 @@ def select_alerts(alerts: list[Alert], limit: int = SHOWN_ALERTS
     """
     status = {"firing": 0, "pending": 1, "resolved": 2}
     severity = {"critical": 0, "warning": 1, "info": 2}
-    ranked = sorted(alerts, key=lambda a: (status.get(a.status, 3), severity.get(a.severity, 3),
-                                           a.layer is not None, -(a.fired_step or a.started_step
-                                                                  or 0)))
+    ranked = sorted(
+        alerts,
+        key=lambda a: (
+            status.get(a.status, 3),
+            severity.get(a.severity, 3),
+            a.layer is not None,
+            -(a.fired_step or a.started_step or 0),
+        ),
+    )
     hidden: dict[str, int] = {}
     for alert in ranked[limit:]:
         hidden[alert.rule] = hidden.get(alert.rule, 0) + 1
@@ -158,8 +195,9 @@ def alerts_json(alerts: list[Alert] | None) -> dict[str, Any] | None:
     return {"shown": [a.to_json() for a in shown], "hidden": hidden}
 
 
-def fetch_run_data(client: CollectorClient, run_id: int, stat: str = "zero_fraction"
-                   ) -> dict[str, Any]:
+def fetch_run_data(
+    client: CollectorClient, run_id: int, stat: str = "zero_fraction"
+) -> dict[str, Any]:
     """Everything the run page draws, as JSON for the store; `error` set instead on failure.
 
     The seven reads go out together (the collector serves requests from a thread pool), so
@@ -222,14 +260,17 @@ def _replaced(data: dict[str, Any]) -> Update:
     return data, cursor_of(data)
 
 
-def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any],
-                    stat: str) -> Update:
+def update_run_data(
+    client: CollectorClient, run_id: int, cursor: dict[str, Any], stat: str
+) -> Update:
     """What changed since `cursor` (`cursor_of` the stored data), and the new cursor: a
     `Patch` appending new steps and heatmap rows and replacing the small parts;
     `no_update` when nothing changed; a full fetch when the stored series has grown too
     long to stay downsampled; an error to show."""
-    too_long = (cursor["points"] > COMPACT_FACTOR * STEP_POINTS
-                or cursor["rows"] > COMPACT_FACTOR * HEATMAP_STEPS)
+    too_long = (
+        cursor["points"] > COMPACT_FACTOR * STEP_POINTS
+        or cursor["rows"] > COMPACT_FACTOR * HEATMAP_STEPS
+    )
     if too_long:
         return _replaced(fetch_run_data(client, run_id, stat))
     if cursor["stat"] != stat:  # another statistic picked: only the heatmap changes
@@ -240,9 +281,14 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         patch = Patch()
         patch["heatmap"] = matrix.to_json(decimals=HEATMAP_DECIMALS)
         patch["heatmap_next"] = matrix.next_step
-        return patch, {**cursor, "stat": stat, "layers": matrix.layers,
-                       "rows": len(matrix.steps), "heatmap_next": matrix.next_step,
-                       "heatmap_width": matrix.step_width}
+        return patch, {
+            **cursor,
+            "stat": stat,
+            "layers": matrix.layers,
+            "rows": len(matrix.steps),
+            "heatmap_next": matrix.next_step,
+            "heatmap_width": matrix.step_width,
+        }
     # A downsampled series' last point is its last bucket's last step; a heatmap row
     # starts its bucket, so the store keeps where the next rows begin.
     last_step = cursor["last_step"]
@@ -258,7 +304,8 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         # buckets): the whole matrix is read again.
         whole = bool(new_rows.steps) and (
             new_rows.layers != cursor["layers"]
-            or new_rows.step_width > cursor.get("heatmap_width", 1))
+            or new_rows.step_width > cursor.get("heatmap_width", 1)
+        )
         if whole:
             new_rows = client.layer_matrix(run_id, stat)
         events = client.events(run_id)
@@ -278,9 +325,10 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
         for name in STEP_COLUMNS:
             patch["steps"][name].extend(new[name])
     if new_steps.step:
-        moved.update(last_step=new_steps.step[-1],
-                     points=(cursor["points"] if last_step is not None else 0)
-                     + len(new_steps.step))
+        moved.update(
+            last_step=new_steps.step[-1],
+            points=(cursor["points"] if last_step is not None else 0) + len(new_steps.step),
+        )
     if new_rows.steps and not whole:
         patch["heatmap"]["steps"].extend(new_rows.steps)
         patch["heatmap"]["values"].extend(new_rows.to_json(decimals=HEATMAP_DECIMALS)["values"])
@@ -289,8 +337,12 @@ def update_run_data(client: CollectorClient, run_id: int, cursor: dict[str, Any]
     elif new_rows.steps:
         patch["heatmap"] = new_rows.to_json(decimals=HEATMAP_DECIMALS)
         patch["heatmap_next"] = new_rows.next_step
-        moved.update(rows=len(new_rows.steps), heatmap_next=new_rows.next_step,
-                     layers=new_rows.layers, heatmap_width=new_rows.step_width)
+        moved.update(
+            rows=len(new_rows.steps),
+            heatmap_next=new_rows.next_step,
+            layers=new_rows.layers,
+            heatmap_width=new_rows.step_width,
+        )
     patch["events"] = [event.to_json() for event in events]
     patch["alerts"] = alerts_json(alerts)
     patch["advice"] = _optional(advice)
@@ -320,16 +372,21 @@ def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | None | boo
     return max(int(low), 0), round(high)
 
 
-def fetch_zoom(client: CollectorClient, run_id: int, window: tuple[int, int], stat: str
-               ) -> dict[str, Any]:
+def fetch_zoom(
+    client: CollectorClient, run_id: int, window: tuple[int, int], stat: str
+) -> dict[str, Any]:
     start, end = window
     try:
         steps = client.steps(run_id, start=start, end=end)
         heatmap = client.layer_matrix(run_id, stat, start=start, end=end)
     except CollectorError as exc:
         return {"error": str(exc)}
-    return {"start": start, "end": end, "steps": steps.to_json(),
-            "heatmap": heatmap.to_json(decimals=HEATMAP_DECIMALS)}
+    return {
+        "start": start,
+        "end": end,
+        "steps": steps.to_json(),
+        "heatmap": heatmap.to_json(decimals=HEATMAP_DECIMALS),
+    }
 
 
 def run_header(run: RunSummary) -> html.Div:
@@ -371,25 +428,35 @@ def alerts_list(alerts: list[Alert] | None, hidden: dict[str, int] | None = None
     items = []
     for alert in alerts:
         steps = " → ".join(
-            f"{label} {step:,}" for label, step in (
-                ("started", alert.started_step), ("fired", alert.fired_step),
-                ("resolved", alert.resolved_step)) if step is not None
+            f"{label} {step:,}"
+            for label, step in (
+                ("started", alert.started_step),
+                ("fired", alert.fired_step),
+                ("resolved", alert.resolved_step),
+            )
+            if step is not None
         )
         values = ", ".join(f"{k} = {v}" for k, v in alert.values.items())
-        items.append(html.Li(
-            [
-                html.Span(alert.severity, className=f"badge health-{alert.severity}"),
-                html.Span(alert.status, className=f"badge status-{alert.status}"),
-                html.B(figures.alert_label(alert)),
-                html.Span(f" ({steps})" if steps else "", className="muted"),
-                html.Div(alert.message, className="message"),
-                html.Div(values, className="values muted") if values else None,
-            ],
-            className=f"alert alert-{alert.status}",
-        ))
+        items.append(
+            html.Li(
+                [
+                    html.Span(alert.severity, className=f"badge health-{alert.severity}"),
+                    html.Span(alert.status, className=f"badge status-{alert.status}"),
+                    html.B(figures.alert_label(alert)),
+                    html.Span(f" ({steps})" if steps else "", className="muted"),
+                    html.Div(alert.message, className="message"),
+                    html.Div(values, className="values muted") if values else None,
+                ],
+                className=f"alert alert-{alert.status}",
+            )
+        )
     note = hidden_note(hidden or {})
-    return html.Div([html.Ul(items, className="alerts") if items else None,
-                     html.P(note, className="muted") if note else None])
+    return html.Div(
+        [
+            html.Ul(items, className="alerts") if items else None,
+            html.P(note, className="muted") if note else None,
+        ]
+    )
 
 
 def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> html.Div:
@@ -397,38 +464,61 @@ def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> h
     without an advisor, the checkpoints the agent reported."""
     if advice is None:
         reported = [e for e in events if e.kind == "checkpoint"]
-        note = html.P("The restart advisor is not available on this collector; these are the "
-                      "checkpoints the agent reported.", className="muted")
+        note = html.P(
+            "The restart advisor is not available on this collector; these are the "
+            "checkpoints the agent reported.",
+            className="muted",
+        )
         if not reported:
             return html.Div([note, html.P("No checkpoint reported yet.")])
-        rows = [html.Tr([html.Td("—" if e.step is None else f"{e.step:,}", className="num"),
-                         html.Td(str(e.data.get("path", "")))]) for e in reported]
-        return html.Div([note, html.Table(
-            [html.Thead(html.Tr([html.Th("step"), html.Th("path")])), html.Tbody(rows)],
-            className="runs")])
+        rows = [
+            html.Tr(
+                [
+                    html.Td("—" if e.step is None else f"{e.step:,}", className="num"),
+                    html.Td(str(e.data.get("path", ""))),
+                ]
+            )
+            for e in reported
+        ]
+        return html.Div(
+            [
+                note,
+                html.Table(
+                    [html.Thead(html.Tr([html.Th("step"), html.Th("path")])), html.Tbody(rows)],
+                    className="runs",
+                ),
+            ]
+        )
     summary = []
     if advice.recommended_step is not None:
-        summary.append(html.Span(f"Restart from step {advice.recommended_step:,}.",
-                                 className="recommend"))
+        summary.append(
+            html.Span(f"Restart from step {advice.recommended_step:,}.", className="recommend")
+        )
     else:
-        summary.append(html.Span("No checkpoint qualifies as a healthy restart point.",
-                                 className="error"))
+        summary.append(
+            html.Span("No checkpoint qualifies as a healthy restart point.", className="error")
+        )
     if advice.onset_step is not None:
-        summary.append(html.Span(
-            f" Incident onset at step {advice.onset_step:,}"
-            + (f" ({advice.onset_rule})" if advice.onset_rule else "")
-            + (f"; margin {advice.margin_steps:,} steps." if advice.margin_steps else ".")
-        ))
+        summary.append(
+            html.Span(
+                f" Incident onset at step {advice.onset_step:,}"
+                + (f" ({advice.onset_rule})" if advice.onset_rule else "")
+                + (f"; margin {advice.margin_steps:,} steps." if advice.margin_steps else ".")
+            )
+        )
     if not advice.candidates:
         return html.Div([html.P(summary), html.P("No checkpoint reported yet.")])
-    header = html.Thead(html.Tr([html.Th(t) for t in (
-        "step", "verdict", "why", "loss scale", "act norm", "path")]))
+    header = html.Thead(
+        html.Tr([html.Th(t) for t in ("step", "verdict", "why", "loss scale", "act norm", "path")])
+    )
     rows = [
         html.Tr(
             [
                 html.Td("—" if c.step is None else f"{c.step:,}", className="num"),
-                html.Td(("★ " if c.verdict == figures.RECOMMENDED else "") + c.verdict,
-                        className=f"verdict-{c.verdict}"),
+                html.Td(
+                    ("★ " if c.verdict == figures.RECOMMENDED else "") + c.verdict,
+                    className=f"verdict-{c.verdict}",
+                ),
                 html.Td("; ".join(c.reasons)),
                 html.Td(figures.format_loss_scale(c.loss_scale), className="num"),
                 html.Td("—" if c.act_norm is None else f"{c.act_norm:.4g}", className="num"),
@@ -438,8 +528,9 @@ def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> h
         )
         for c in advice.candidates
     ]
-    return html.Div([html.P(summary), html.Table([header, html.Tbody(rows)],
-                                                 className="runs checkpoints")])
+    return html.Div(
+        [html.P(summary), html.Table([header, html.Tbody(rows)], className="runs checkpoints")]
+    )
 
 
 def run_span(series: StepSeries) -> tuple[int, int] | None:
@@ -448,8 +539,14 @@ def run_span(series: StepSeries) -> tuple[int, int] | None:
 
 RunView = tuple[Any, ...]
 HIDDEN = {"display": "none"}
-STEP_FIGURE_TITLES = ("Loss scale and loss", "Skip rate", "Gradient norm",
-                      "Final-layer activation norm", "Zero-gradient fraction per layer", "Alerts")
+STEP_FIGURE_TITLES = (
+    "Loss scale and loss",
+    "Skip rate",
+    "Gradient norm",
+    "Final-layer activation norm",
+    "Zero-gradient fraction per layer",
+    "Alerts",
+)
 
 
 def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) -> RunView:
@@ -474,8 +571,7 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     full_steps = StepSeries.from_json(data["steps"])
     events = [RunEvent.from_json(e) for e in data["events"]]
     stored_alerts = data.get("alerts")
-    alerts = None if stored_alerts is None else [Alert.from_json(a)
-                                                 for a in stored_alerts["shown"]]
+    alerts = None if stored_alerts is None else [Alert.from_json(a) for a in stored_alerts["shown"]]
     hidden = {} if stored_alerts is None else stored_alerts["hidden"]
     advice = None if data.get("advice") is None else RestartAdvice.from_json(data["advice"])
     if advice is not None:
@@ -485,15 +581,19 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     run = RunSummary.from_json(data["run"])
     return (
         run_header(run),
-        figures.loss_scale_figure(steps, checkpoints=checkpoints, alerts=alerts or (),
-                                  x_range=x_range),
+        figures.loss_scale_figure(
+            steps, checkpoints=checkpoints, alerts=alerts or (), x_range=x_range
+        ),
         figures.skip_rate_figure(steps, x_range=x_range),
         figures.grad_norm_figure(steps, x_range=x_range),
         figures.activation_norm_figure(steps, x_range=x_range),
         figures.layer_heatmap(LayerMatrix.from_json(source["heatmap"]), x_range=x_range),
-        figures.alerts_timeline_figure(alerts, full_steps.last_step,
-                                       x_range=x_range or run_span(full_steps),
-                                       note=hidden_note(hidden)),
+        figures.alerts_timeline_figure(
+            alerts,
+            full_steps.last_step,
+            x_range=x_range or run_span(full_steps),
+            note=hidden_note(hidden),
+        ),
         alerts_list(alerts, hidden),
         checkpoints_table(advice, events),
         {},
@@ -510,8 +610,9 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
         State(ids.RUN_CURSOR, "data"),
         prevent_initial_call=True,
     )
-    def fetch(_n_intervals: int | None, stat: str | None, run_id: int,
-              cursor: dict[str, Any] | None) -> tuple[Any, Any]:
+    def fetch(
+        _n_intervals: int | None, stat: str | None, run_id: int, cursor: dict[str, Any] | None
+    ) -> tuple[Any, Any]:
         if ctx.triggered_id is None and cursor:
             return dash.no_update, dash.no_update  # drawn with fresh data a moment ago
         stat = stat or "zero_fraction"

@@ -52,8 +52,15 @@ def layout(**_kwargs: Any) -> html.Div:
     return html.Div(
         [
             html.Div(
-                [html.H2("Runs"), dcc.Link("Compare runs →", href=compare_path([]),
-                                           className="aside", id="runs-compare-link")],
+                [
+                    html.H2("Runs"),
+                    dcc.Link(
+                        "Compare runs →",
+                        href=compare_path([]),
+                        className="aside",
+                        id="runs-compare-link",
+                    ),
+                ],
                 className="title-row",
             ),
             dcc.Interval(id=ids.RUNS_REFRESH, interval=REFRESH_MS),
@@ -61,31 +68,58 @@ def layout(**_kwargs: Any) -> html.Div:
             dcc.Store(id=ids.RUNS_SORT, data=DEFAULT_SORT),
             html.Div(
                 [
-                    dcc.Input(id=ids.RUNS_FILTER_TEXT, type="search", debounce=False,
-                              placeholder="filter by run or project name"),
-                    dcc.Dropdown(id=ids.RUNS_FILTER_HEALTH, value=ANY, clearable=False,
-                                 searchable=False,
-                                 options=[{"label": "any health", "value": ANY},
-                                          *({"label": h, "value": h} for h in HEALTH_ORDER)]),
-                    dcc.Dropdown(id=ids.RUNS_FILTER_STATUS, value=ANY, clearable=False,
-                                 searchable=False,
-                                 options=[{"label": "any status", "value": ANY},
-                                          {"label": "running", "value": "running"},
-                                          {"label": "ended", "value": "ended"}]),
+                    dcc.Input(
+                        id=ids.RUNS_FILTER_TEXT,
+                        type="search",
+                        debounce=False,
+                        placeholder="filter by run or project name",
+                    ),
+                    dcc.Dropdown(
+                        id=ids.RUNS_FILTER_HEALTH,
+                        value=ANY,
+                        clearable=False,
+                        searchable=False,
+                        options=[
+                            {"label": "any health", "value": ANY},
+                            *({"label": h, "value": h} for h in HEALTH_ORDER),
+                        ],
+                    ),
+                    dcc.Dropdown(
+                        id=ids.RUNS_FILTER_STATUS,
+                        value=ANY,
+                        clearable=False,
+                        searchable=False,
+                        options=[
+                            {"label": "any status", "value": ANY},
+                            {"label": "running", "value": "running"},
+                            {"label": "ended", "value": "ended"},
+                        ],
+                    ),
                 ],
                 className="filters",
             ),
             html.Table(
                 [
-                    html.Thead(html.Tr([
-                        html.Th(html.Button(column.title, n_clicks=0, className="sort",
-                                            id={"type": ids.RUNS_SORT_HEADER,
-                                                "column": column.key}),
-                                className="num" if column.numeric else None)
-                        for column in COLUMNS
-                    ])),
-                    html.Tbody(id=ids.RUNS_TABLE,
-                               children=html.Tr(html.Td("Loading runs…", colSpan=len(COLUMNS)))),
+                    html.Thead(
+                        html.Tr(
+                            [
+                                html.Th(
+                                    html.Button(
+                                        column.title,
+                                        n_clicks=0,
+                                        className="sort",
+                                        id={"type": ids.RUNS_SORT_HEADER, "column": column.key},
+                                    ),
+                                    className="num" if column.numeric else None,
+                                )
+                                for column in COLUMNS
+                            ]
+                        )
+                    ),
+                    html.Tbody(
+                        id=ids.RUNS_TABLE,
+                        children=html.Tr(html.Td("Loading runs…", colSpan=len(COLUMNS))),
+                    ),
                 ],
                 className="runs",
             ),
@@ -127,6 +161,7 @@ def health_badge(health: str) -> html.Span:
 
 def sort_key(column: str, now: datetime) -> Callable[[RunSummary], Any]:
     """The value of `column` to sort on; None when the run has none (sorted last)."""
+
     def key(run: RunSummary) -> Any:
         value: Any = {
             "name": run.name.lower(),
@@ -141,17 +176,25 @@ def sort_key(column: str, now: datetime) -> Callable[[RunSummary], Any]:
         if isinstance(value, float) and math.isnan(value):
             value = None
         return value
+
     return key
 
 
-def select_runs(runs: list[RunSummary], *, text: str = "", health: str = ANY,
-                status: str = ANY, sort: dict[str, Any] | None = None,
-                now: datetime | None = None) -> list[RunSummary]:
+def select_runs(
+    runs: list[RunSummary],
+    *,
+    text: str = "",
+    health: str = ANY,
+    status: str = ANY,
+    sort: dict[str, Any] | None = None,
+    now: datetime | None = None,
+) -> list[RunSummary]:
     """The runs that pass every filter, sorted by `sort` (missing values always last)."""
     now = now or datetime.now(timezone.utc)
     needle = text.strip().lower()
     chosen = [
-        run for run in runs
+        run
+        for run in runs
         if (not needle or needle in run.name.lower() or needle in run.project.lower())
         and health in (ANY, run.health)
         and status in (ANY, run.status)
@@ -163,8 +206,9 @@ def select_runs(runs: list[RunSummary], *, text: str = "", health: str = ANY,
     return sorted(present, key=key, reverse=bool(sort["descending"])) + missing
 
 
-def runs_rows(runs: list[RunSummary], run_href: Callable[[int], str],
-              now: datetime | None = None) -> list[html.Tr]:
+def runs_rows(
+    runs: list[RunSummary], run_href: Callable[[int], str], now: datetime | None = None
+) -> list[html.Tr]:
     """The table's rows; `run_href` maps a run id to its page's URL (depends on the mount)."""
     now = now or datetime.now(timezone.utc)
     return [
@@ -177,8 +221,7 @@ def runs_rows(runs: list[RunSummary], run_href: Callable[[int], str],
                 html.Td("—" if run.last_step is None else f"{run.last_step:,}", className="num"),
                 html.Td(format_loss_scale(run.last_loss_scale), className="num"),
                 html.Td(format_rate(run.skip_rate), className="num"),
-                html.Td(format_age(age_seconds(run, now)), className="num",
-                        title=run.last_seen_at),
+                html.Td(format_age(age_seconds(run, now)), className="num", title=run.last_seen_at),
             ],
             className=f"row-{run.health}",
         )
@@ -227,18 +270,26 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
         Input(ids.RUNS_FILTER_STATUS, "value"),
         Input(ids.RUNS_SORT, "data"),
     )
-    def render_runs(data: dict[str, Any] | None, text: str | None, health: str | None,
-                    status: str | None, sort: dict[str, Any] | None) -> Any:
+    def render_runs(
+        data: dict[str, Any] | None,
+        text: str | None,
+        health: str | None,
+        status: str | None,
+        sort: dict[str, Any] | None,
+    ) -> Any:
         if data is None:
             return message_row("Loading runs…")
         if "error" in data:
             return message_row(data["error"], "error")
         runs = [RunSummary.from_json(r) for r in data["runs"]]
         if not runs:
-            return message_row("No runs yet. Attach the ampwatch agent to a training loop "
-                               "and its run appears here.")
-        shown = select_runs(runs, text=text or "", health=health or ANY, status=status or ANY,
-                            sort=sort)
+            return message_row(
+                "No runs yet. Attach the ampwatch agent to a training loop "
+                "and its run appears here."
+            )
+        shown = select_runs(
+            runs, text=text or "", health=health or ANY, status=status or ANY, sort=sort
+        )
         if not shown:
             return message_row(f"No run matches the filters ({len(runs)} runs in all).")
         return runs_rows(shown, lambda run_id: href(app, run_path(run_id)))

@@ -72,8 +72,9 @@ def open_alerts(session: Session, run_id: int) -> list[Alert | OpenRow]:
     )
     columns = (Alert.id, Alert.run_id, Alert.rule, Alert.layer, Alert.severity, Alert.status,
                Alert.started_step, Alert.fired_step)  # fmt: skip
-    alerts += [OpenRow(*row) for row in session.execute(select(*columns).where(is_open,
-                                                                              Alert.layer != ""))]
+    alerts += [
+        OpenRow(*row) for row in session.execute(select(*columns).where(is_open, Alert.layer != ""))
+    ]
     return alerts
 
 
@@ -232,8 +233,12 @@ class Tracker:
             return
         resolved_step = max(step, alert.fired_step or step)
         if isinstance(alert, OpenRow):  # written with the batch's other resolutions
-            change: dict[str, Any] = {"id": alert.id, "status": "resolved",
-                                      "resolved_step": resolved_step, "resolved_at": self.now}
+            change: dict[str, Any] = {
+                "id": alert.id,
+                "status": "resolved",
+                "resolved_step": resolved_step,
+                "resolved_at": self.now,
+            }
             detail = self._details.pop(key, None)
             if detail is not None:
                 change["message"], change["values"] = self._rendered(key, alert, detail)

@@ -47,8 +47,12 @@ def get_fp8_readiness(
 ) -> Fp8Readiness:
     """Per Linear layer at the latest FP8 sample: each recipe's fit with the numbers behind
     it, a verdict (fits / needs_finer_scaling / keep_bf16), worst first, and the trend."""
-    limits = Fp8Limits(max_flush=max_flush, max_saturate=max_saturate,
-                       max_error_e4m3=max_error_e4m3, max_error_e5m2=max_error_e5m2)
+    limits = Fp8Limits(
+        max_flush=max_flush,
+        max_saturate=max_saturate,
+        max_error_e4m3=max_error_e4m3,
+        max_error_e5m2=max_error_e5m2,
+    )
     return fp8_readiness(session, run_id, rank=rank, limits=limits, max_steps=max_steps)
 
 

@@ -25,6 +25,7 @@ from ampwatch.server.schemas import BatchIn, ErrorPublic, IngestAck
 
 router = APIRouter(route_class=SessionRoute, tags=["ingest"])
 
+
 async def read_body(request: Request, settings: SettingsDep) -> bytes:
     """The request body, decompressed, at most `settings.max_body_bytes` either way."""
     limit = settings.max_body_bytes

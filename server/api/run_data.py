@@ -108,10 +108,18 @@ def get_layers(
     ] = DEFAULT_HEATMAP_LAYERS,
 ) -> Response:
     """One per-layer statistic as a steps x layers matrix, bucket maxima beyond the limits."""
-    return _json(series.layer_matrix(
-        session, run_id, _known_stat(stat), rank,
-        start=start, end=end, max_steps=max_steps, max_layers=max_layers,
-    ))
+    return _json(
+        series.layer_matrix(
+            session,
+            run_id,
+            _known_stat(stat),
+            rank,
+            start=start,
+            end=end,
+            max_steps=max_steps,
+            max_layers=max_layers,
+        )
+    )
 
 
 @router.get("/{run_id}/layers/{layer:path}/series", response_model=LayerSeries)
@@ -126,10 +134,19 @@ def get_layer_series(
     max_points: MaxPointsQuery = DEFAULT_MAX_POINTS,
 ) -> Response:
     """One layer's statistic over steps, min/max-downsampled beyond max_points."""
-    return _json(series.layer_series(
-        session, run_id, layer, _layer_idx(session, run_id, layer, _known_stat(stat)), stat, rank,
-        start=start, end=end, max_points=max_points,
-    ))
+    return _json(
+        series.layer_series(
+            session,
+            run_id,
+            layer,
+            _layer_idx(session, run_id, layer, _known_stat(stat)),
+            stat,
+            rank,
+            start=start,
+            end=end,
+            max_points=max_points,
+        )
+    )
 
 
 @router.get("/{run_id}/layers/{layer:path}/histograms", response_model=LayerHistograms)
@@ -150,10 +167,18 @@ def get_layer_histograms(
     """One layer's gradient exponent histograms at `step`, or over [start, end] thinned."""
     if step is not None:
         start = end = step
-    return _json(history.layer_histograms(
-        session, run_id, layer, _layer_idx(session, run_id, layer), rank,
-        start=start, end=end, max_points=max_points,
-    ))
+    return _json(
+        history.layer_histograms(
+            session,
+            run_id,
+            layer,
+            _layer_idx(session, run_id, layer),
+            rank,
+            start=start,
+            end=end,
+            max_points=max_points,
+        )
+    )
 
 
 @router.get("/{run_id}/events")

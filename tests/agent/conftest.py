@@ -9,4 +9,3 @@ from agent_fakes import FakeCollector
 @pytest.fixture
 def collector() -> FakeCollector:
     return FakeCollector()
-

@@ -30,8 +30,9 @@ def _worker(rank: int, world_size: int, init_file: str, out: str) -> None:
         model = nn.Linear(4, 2)
         optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
         scaler = torch.amp.GradScaler("cpu")
-        handle = watch(model, optimizer, scaler, transport=transport, layer_stats_every=2,
-                       fp8_stats_every=None)
+        handle = watch(
+            model, optimizer, scaler, transport=transport, layer_stats_every=2, fp8_stats_every=None
+        )
         for _ in range(3):
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(3, 4)).float().pow(2).mean()

@@ -72,16 +72,37 @@ def alerts_json() -> dict[str, Any]:
     common = {"run_id": RUN_ID, "started_at": 1.0, "fired_at": 2.0, "resolved_at": None}
     return {
         "alerts": [
-            {**common, "id": 2, "rule": "loss_scale_collapse", "layer": "",
-             "severity": "critical", "status": "firing", "started_step": 3, "fired_step": 5,
-             "resolved_step": None, "message": "loss scale 0.5 is below min_scale 1",
-             "values": {"loss_scale": 0.5, "min_scale": 1.0}},
-            {**common, "id": 1, "rule": "silent_underflow", "layer": "head.weight",
-             "severity": "critical", "status": "resolved", "started_step": 2, "fired_step": 2,
-             "resolved_step": 4, "resolved_at": 3.0,
-             "message": "head.weight: every gradient element exactly zero", "values": {}},
+            {
+                **common,
+                "id": 2,
+                "rule": "loss_scale_collapse",
+                "layer": "",
+                "severity": "critical",
+                "status": "firing",
+                "started_step": 3,
+                "fired_step": 5,
+                "resolved_step": None,
+                "message": "loss scale 0.5 is below min_scale 1",
+                "values": {"loss_scale": 0.5, "min_scale": 1.0},
+            },
+            {
+                **common,
+                "id": 1,
+                "rule": "silent_underflow",
+                "layer": "head.weight",
+                "severity": "critical",
+                "status": "resolved",
+                "started_step": 2,
+                "fired_step": 2,
+                "resolved_step": 4,
+                "resolved_at": 3.0,
+                "message": "head.weight: every gradient element exactly zero",
+                "values": {},
+            },
         ],
-        "total": 2, "limit": 1000, "offset": 0,
+        "total": 2,
+        "limit": 1000,
+        "offset": 0,
     }
 
 
@@ -89,14 +110,30 @@ def alerts_json() -> dict[str, Any]:
 def advice_json() -> dict[str, Any]:
     """The restart advisor's answer: step 4 recommended, step 6 rejected."""
     return {
-        "run_id": RUN_ID, "onset_step": 5, "onset_rule": "loss_scale_collapse",
+        "run_id": RUN_ID,
+        "onset_step": 5,
+        "onset_rule": "loss_scale_collapse",
         "margin_steps": 1,
         "recommended": {"step": 4, "path": "/ckpt/4.pt", "time": 2.0},
         "candidates": [
-            {"step": 4, "path": "/ckpt/4.pt", "time": 2.0, "verdict": "recommended",
-             "reasons": ["latest healthy checkpoint"], "loss_scale": 32768.0, "act_norm": 8.0},
-            {"step": 6, "path": "/ckpt/6.pt", "time": 3.0, "verdict": "rejected",
-             "reasons": ["loss scale 0.5 < 1"], "loss_scale": 0.5, "act_norm": "NaN"},
+            {
+                "step": 4,
+                "path": "/ckpt/4.pt",
+                "time": 2.0,
+                "verdict": "recommended",
+                "reasons": ["latest healthy checkpoint"],
+                "loss_scale": 32768.0,
+                "act_norm": 8.0,
+            },
+            {
+                "step": 6,
+                "path": "/ckpt/6.pt",
+                "time": 3.0,
+                "verdict": "rejected",
+                "reasons": ["loss scale 0.5 < 1"],
+                "loss_scale": 0.5,
+                "act_norm": "NaN",
+            },
         ],
     }
 
@@ -105,10 +142,21 @@ def advice_json() -> dict[str, Any]:
 def layer_json() -> dict[str, Any]:
     """`head.weight`'s series (any statistic) and exponent histograms."""
     return {
-        "series": {"layer": "head.weight", "stat": "zero_fraction", "rank": 0,
-                   "step": [2, 4, 6], "value": [1.0, 1.0, "NaN"], "bucket_width": 1},
-        "histograms": {"layer": "head.weight", "rank": 0, "steps": [2, 4, 6],
-                       "offsets": [100, 99, 0], "counts": [[1, 2], [3, 1], [5]]},
+        "series": {
+            "layer": "head.weight",
+            "stat": "zero_fraction",
+            "rank": 0,
+            "step": [2, 4, 6],
+            "value": [1.0, 1.0, "NaN"],
+            "bucket_width": 1,
+        },
+        "histograms": {
+            "layer": "head.weight",
+            "rank": 0,
+            "steps": [2, 4, 6],
+            "offsets": [100, 99, 0],
+            "counts": [[1, 2], [3, 1], [5]],
+        },
     }
 
 

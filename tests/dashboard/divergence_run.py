@@ -98,8 +98,12 @@ def layer_record(step: int, scale: float) -> dict[str, Any]:
         "step": step,
         "rank": 0,
         "names": LAYERS,
-        "stats": {"zero_fraction": zero, "subnormal_fraction": subnormal,
-                  "flush_fraction": flush, "max_abs_scaled": peak},
+        "stats": {
+            "zero_fraction": zero,
+            "subnormal_fraction": subnormal,
+            "flush_fraction": flush,
+            "max_abs_scaled": peak,
+        },
         "exponent_histograms": {"offsets": offsets, "counts": counts},
     }
 
@@ -114,7 +118,9 @@ def step_record(step: int, scale: float) -> dict[str, Any]:
         loss += 0.002 * (step - COLLAPSE_STEP)
     nan_loss = step >= COLLAPSE_STEP and step % 97 == 0
     return {
-        "step": step, "rank": 0, "skipped": skipped(step),
+        "step": step,
+        "rank": 0,
+        "skipped": skipped(step),
         "loss": "NaN" if nan_loss else encode_float(loss),
         "loss_scale": scale,
         "grad_norm": encode_float(math.inf) if skipped(step) else 0.8 + 0.1 * math.cos(step / 50),
@@ -124,8 +130,13 @@ def step_record(step: int, scale: float) -> dict[str, Any]:
     }
 
 
-def batches(*, steps: int = STEPS, t0: float = 1.75e9, client_run_id: str = CLIENT_RUN_ID,
-            name: str = RUN_NAME) -> Iterator[dict[str, Any]]:
+def batches(
+    *,
+    steps: int = STEPS,
+    t0: float = 1.75e9,
+    client_run_id: str = CLIENT_RUN_ID,
+    name: str = RUN_NAME,
+) -> Iterator[dict[str, Any]]:
     """The run's first `steps` steps as wire batches of `STEPS_PER_BATCH` steps, in order
     (fewer steps: a healthy run, stopped before anything goes wrong)."""
     in_effect = scales()
@@ -134,7 +145,8 @@ def batches(*, steps: int = STEPS, t0: float = 1.75e9, client_run_id: str = CLIE
         span = range(first, last + 1)
         events: list[dict[str, Any]] = [
             {"kind": "checkpoint", "step": s, "time": t0 + s, "data": {"path": f"/ckpt/{s}.pt"}}
-            for s in CHECKPOINTS if s in span
+            for s in CHECKPOINTS
+            if s in span
         ]
         if first == 1:
             events.insert(0, {"kind": "run_start", "step": None, "time": t0, "data": {}})
@@ -144,8 +156,9 @@ def batches(*, steps: int = STEPS, t0: float = 1.75e9, client_run_id: str = CLIE
             "stream": "0",
             "seq": seq,
             "steps": [step_record(s, in_effect[s - 1]) for s in span],
-            "layer_stats": [layer_record(s, in_effect[s - 1]) for s in span
-                            if s % LAYER_EVERY == 0],
+            "layer_stats": [
+                layer_record(s, in_effect[s - 1]) for s in span if s % LAYER_EVERY == 0
+            ],
             "events": events,
             "dropped": {"steps": 0, "layer_stats": 0, "events": 0},
         }

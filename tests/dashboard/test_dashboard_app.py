@@ -59,14 +59,19 @@ def call_callback(
 
 
 def routed_page(app: dash.Dash, pathname: str, search: str = "") -> str:
-    return json.dumps(call_callback(app, (ids.PAGE, "children"),
-                                    [(ids.ROUTE, "data", {"pathname": pathname,
-                                                          "search": search})]))
+    return json.dumps(
+        call_callback(
+            app,
+            (ids.PAGE, "children"),
+            [(ids.ROUTE, "data", {"pathname": pathname, "search": search})],
+        )
+    )
 
 
 def make_app(transport: httpx.MockTransport, prefix: str = "/dashboard/") -> dash.Dash:
-    return create_dash_app("http://collector.test", requests_pathname_prefix=prefix,
-                           transport=transport)
+    return create_dash_app(
+        "http://collector.test", requests_pathname_prefix=prefix, transport=transport
+    )
 
 
 def test_router_strips_the_mount_prefix(collector_transport: MakeTransport) -> None:
@@ -104,15 +109,19 @@ def initial_layout(app: dash.Dash, referrer: str | None) -> dict[str, Any]:
 
 def drawn_and_page(layout: dict[str, Any]) -> tuple[str | None, Any]:
     """The initial layout's record of the URL it drew, and the page it holds."""
-    children = {child["props"]["id"]: child["props"] for child in layout["props"]["children"]
-                if "id" in child["props"]}
+    children = {
+        child["props"]["id"]: child["props"]
+        for child in layout["props"]["children"]
+        if "id" in child["props"]
+    }
     assert set(children) == {ids.URL, ids.PAGE_DRAWN, ids.ROUTE, ids.PAGE}
     assert children[ids.URL] == {"id": ids.URL, "refresh": "callback-nav"}  # reads the URL
     return children[ids.PAGE_DRAWN].get("data"), children[ids.PAGE].get("children")
 
 
 def test_a_visit_by_url_gets_its_page_inside_the_initial_layout(
-        collector_transport: MakeTransport) -> None:
+    collector_transport: MakeTransport,
+) -> None:
     """No router round trip for the first render: the page is in `_dash-layout`, with the
     URL it was drawn for, which the browser checks against its own (`ROUTE_GUARD`)."""
     app = make_app(collector_transport())
@@ -122,12 +131,15 @@ def test_a_visit_by_url_gets_its_page_inside_the_initial_layout(
     assert '"name": "loss scale"' in text and '"type": "heatmap"' in text
     assert "Loading" not in text
 
-    drawn, page = drawn_and_page(initial_layout(
-        app, "http://dash.test/dashboard/run/7/layer/head.weight?step=40"))
+    drawn, page = drawn_and_page(
+        initial_layout(app, "http://dash.test/dashboard/run/7/layer/head.weight?step=40")
+    )
     assert drawn == "/dashboard/run/7/layer/head.weight?step=40"
     assert '"layer": "head.weight"' in json.dumps(page) and '"step": 40' in json.dumps(page)
     dependencies = app.server.test_client().get("/_dash-dependencies").get_json()
-    (guard,) = [d for d in dependencies if d["output"] == f"..{ids.ROUTE}.data...{ids.PAGE_DRAWN}.data.."]
+    (guard,) = [
+        d for d in dependencies if d["output"] == f"..{ids.ROUTE}.data...{ids.PAGE_DRAWN}.data.."
+    ]
     assert guard["prevent_initial_call"] is True  # only the Location's reading of the URL
     assert [i["id"] for i in guard["inputs"]] == [ids.URL]
     (route,) = [d for d in dependencies if d["output"] == f"{ids.PAGE}.children"]
@@ -135,7 +147,8 @@ def test_a_visit_by_url_gets_its_page_inside_the_initial_layout(
 
 
 def test_without_a_referrer_of_the_app_the_router_draws_the_page(
-        collector_transport: MakeTransport) -> None:
+    collector_transport: MakeTransport,
+) -> None:
     """A proxy that strips Referer, or one from elsewhere: an empty frame, which the
     router fills once the Location has read the URL."""
     for referrer in (None, "http://elsewhere.test/other/run/7"):
@@ -150,14 +163,17 @@ def test_only_the_layout_request_draws_a_page(collector_transport: MakeTransport
     app = make_app(transport)
     client = app.server.test_client()
     before = len(transport.requests)  # type: ignore[attr-defined]
-    assert client.get("/", headers={"Referer": "http://dash.test/dashboard/run/7"}
-                      ).status_code == 200
+    assert (
+        client.get("/", headers={"Referer": "http://dash.test/dashboard/run/7"}).status_code == 200
+    )
     assert len(transport.requests) == before  # type: ignore[attr-defined]
 
 
 def test_a_page_that_fails_to_draw_leaves_the_layout_to_the_router(
-        collector_transport: MakeTransport, monkeypatch: pytest.MonkeyPatch,
-        caplog: pytest.LogCaptureFixture) -> None:
+    collector_transport: MakeTransport,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
+) -> None:
     def broken(**_kwargs: Any) -> None:
         raise ZeroDivisionError("a bug in a page")
 
@@ -168,15 +184,27 @@ def test_a_page_that_fails_to_draw_leaves_the_layout_to_the_router(
     assert "the router will draw it" in caplog.text and "a bug in a page" in caplog.text
 
 
-def runs_table(app: dash.Dash, runs_json: list[dict[str, Any]], text: str = "",
-               health: str = "any", status: str = "any",
-               sort: dict[str, Any] | None = None) -> str:
-    return json.dumps(call_callback(
-        app, (ids.RUNS_TABLE, "children"),
-        [(ids.RUNS_DATA, "data", {"runs": runs_json}), (ids.RUNS_FILTER_TEXT, "value", text),
-         (ids.RUNS_FILTER_HEALTH, "value", health), (ids.RUNS_FILTER_STATUS, "value", status),
-         (ids.RUNS_SORT, "data", sort or runs.DEFAULT_SORT)],
-    ))
+def runs_table(
+    app: dash.Dash,
+    runs_json: list[dict[str, Any]],
+    text: str = "",
+    health: str = "any",
+    status: str = "any",
+    sort: dict[str, Any] | None = None,
+) -> str:
+    return json.dumps(
+        call_callback(
+            app,
+            (ids.RUNS_TABLE, "children"),
+            [
+                (ids.RUNS_DATA, "data", {"runs": runs_json}),
+                (ids.RUNS_FILTER_TEXT, "value", text),
+                (ids.RUNS_FILTER_HEALTH, "value", health),
+                (ids.RUNS_FILTER_STATUS, "value", status),
+                (ids.RUNS_SORT, "data", sort or runs.DEFAULT_SORT),
+            ],
+        )
+    )
 
 
 def test_runs_table_links_to_run_pages_under_the_prefix(
@@ -200,11 +228,22 @@ def test_runs_overview_shows_health_skip_rate_and_age(run_json: dict[str, Any]) 
 
 def test_runs_filter_and_sort(run_json: dict[str, Any]) -> None:
     def run(i: int, name: str, health: str, status: str, rate: float | None) -> RunSummary:
-        return RunSummary.from_json({**run_json, "id": i, "name": name, "health": health,
-                                     "status": status, "skip_rate": rate})
+        return RunSummary.from_json(
+            {
+                **run_json,
+                "id": i,
+                "name": name,
+                "health": health,
+                "status": status,
+                "skip_rate": rate,
+            }
+        )
 
-    all_runs = [run(1, "bert", "ok", "ended", 0.0), run(2, "gpt-a", "critical", "running", 0.5),
-                run(3, "gpt-b", "warning", "running", None)]
+    all_runs = [
+        run(1, "bert", "ok", "ended", 0.0),
+        run(2, "gpt-a", "critical", "running", 0.5),
+        run(3, "gpt-b", "warning", "running", None),
+    ]
 
     def names(**kwargs: Any) -> list[str]:
         return [r.name for r in runs.select_runs(all_runs, **kwargs)]
@@ -225,8 +264,7 @@ def test_clicking_a_header_sorts_by_it_then_reverses(collector_transport: MakeTr
         "output": f"{ids.RUNS_SORT}.data",
         "outputs": {"id": ids.RUNS_SORT, "property": "data"},
         "inputs": [[{"id": header, "property": "n_clicks", "value": 1}]],
-        "changedPropIds": [json.dumps(header, separators=(",", ":"), sort_keys=True)
-                           + ".n_clicks"],
+        "changedPropIds": [json.dumps(header, separators=(",", ":"), sort_keys=True) + ".n_clicks"],
         "state": [{"id": ids.RUNS_SORT, "property": "data", "value": runs.DEFAULT_SORT}],
     }
     response = app.server.test_client().post("/_dash-update-component", json=body)
@@ -254,8 +292,9 @@ def grown(run_json: dict[str, Any], last_step: int) -> dict[str, Any]:
     return {**run_json, "last_step": last_step, "last_seen_at": "2026-11-29T09:31:00+00:00"}
 
 
-def stored_cursor(transport: httpx.MockTransport, run_json: dict[str, Any]
-                  ) -> tuple[CollectorClient, dict[str, Any]]:
+def stored_cursor(
+    transport: httpx.MockTransport, run_json: dict[str, Any]
+) -> tuple[CollectorClient, dict[str, Any]]:
     """A client of `transport` and the cursor of the page as first drawn, when the run
     summary was still `run_json` (so the next refresh sees it moved)."""
     client = CollectorClient("http://collector.test", transport=transport)
@@ -267,15 +306,23 @@ def stored_cursor(transport: httpx.MockTransport, run_json: dict[str, Any]
 
 
 def test_live_refresh_fetches_only_new_steps_and_appends_them(
-    collector_transport: MakeTransport, run_json: dict[str, Any], steps_json: dict[str, Any],
+    collector_transport: MakeTransport,
+    run_json: dict[str, Any],
+    steps_json: dict[str, Any],
 ) -> None:
     run = f"/api/v1/runs/{RUN_ID}"
 
     def steps_after(request: httpx.Request) -> dict[str, Any]:
         if "start" in request.url.params:  # the incremental read: steps 7 and 8 only
             assert request.url.params["start"] == "7"
-            return {"step": [7, 8], "loss": [1.9, "NaN"], "loss_scale": [16384.0, 8192.0],
-                    "skipped": [False, True], "skipped_count": [0, 1], "bucket_width": 1}
+            return {
+                "step": [7, 8],
+                "loss": [1.9, "NaN"],
+                "loss_scale": [16384.0, 8192.0],
+                "skipped": [False, True],
+                "skipped_count": [0, 1],
+                "bucket_width": 1,
+            }
         return steps_json
 
     transport = collector_transport(**{run: grown(run_json, 8), f"{run}/steps": steps_after})
@@ -283,27 +330,37 @@ def test_live_refresh_fetches_only_new_steps_and_appends_them(
     assert (cursor["last_step"], cursor["heatmap_next"]) == (6, 7)
     patch, moved = update_run_data(client, RUN_ID, cursor, "zero_fraction")
     operations = patch.to_plotly_json()["operations"]
-    extended = {tuple(op["location"]): op["params"]["value"] for op in operations
-                if op["operation"] == "Extend"}
+    extended = {
+        tuple(op["location"]): op["params"]["value"]
+        for op in operations
+        if op["operation"] == "Extend"
+    }
     assert extended[("steps", "step")] == [7, 8]
     assert extended[("steps", "loss")] == [1.9, "NaN"]
     assert extended[("steps", "skipped_count")] == [0, 1]
     requests: list[httpx.Request] = transport.requests  # type: ignore[attr-defined]
     step_reads = [r for r in requests if r.url.path == f"{run}/steps"]
     assert [r.url.params.get("start") for r in step_reads] == [None, "7"]
-    row_reads = [r for r in requests if r.url.path == f"{run}/layers"
-                 and r.url.params.get("stat") == "zero_fraction"]
+    row_reads = [
+        r
+        for r in requests
+        if r.url.path == f"{run}/layers" and r.url.params.get("stat") == "zero_fraction"
+    ]
     # Heatmap rows after the last stored row's bucket (rows at 2, 4, 6; one step each).
     assert [r.url.params.get("start") for r in row_reads] == [None, "7"]
 
     assert (moved["last_step"], moved["points"], moved["rows"]) == (8, 8, 6)
     assert moved["run"]["last_step"] == 8
-    assert update_run_data(client, RUN_ID, moved, "zero_fraction") == (dash.no_update,
-                                                                       dash.no_update)
+    assert update_run_data(client, RUN_ID, moved, "zero_fraction") == (
+        dash.no_update,
+        dash.no_update,
+    )
 
 
 def test_new_rows_in_wider_buckets_than_the_stored_replace_the_heatmap(
-    collector_transport: MakeTransport, run_json: dict[str, Any], layers_json: dict[str, Any],
+    collector_transport: MakeTransport,
+    run_json: dict[str, Any],
+    layers_json: dict[str, Any],
 ) -> None:
     """A long backlog comes downsampled wider than the stored buckets: appended, it would
     leave empty columns between them, so the whole matrix is read again instead."""
@@ -319,48 +376,64 @@ def test_new_rows_in_wider_buckets_than_the_stored_replace_the_heatmap(
     client, cursor = stored_cursor(transport, run_json)
     assert cursor["heatmap_width"] == 4
     patch, moved = update_run_data(client, RUN_ID, cursor, "zero_fraction")
-    replaced = {tuple(op["location"]): op["params"]["value"]
-                for op in patch.to_plotly_json()["operations"] if op["operation"] == "Assign"}
+    replaced = {
+        tuple(op["location"]): op["params"]["value"]
+        for op in patch.to_plotly_json()["operations"]
+        if op["operation"] == "Assign"
+    }
     assert replaced[("heatmap",)]["steps"] == [2, 30, 60]  # the whole matrix, re-read
     assert (moved["rows"], moved["heatmap_width"]) == (3, 4)
 
 
-@pytest.mark.parametrize(("relayout", "window"), [
-    ({"xaxis.range[0]": 10.4, "xaxis.range[1]": 99.6}, (10, 100)),
-    ({"xaxis2.range": [50, 20]}, (20, 50)),
-    ({"xaxis.autorange": True, "yaxis.autorange": True}, None),
-    ({"autosize": True}, False),
-    ({"yaxis.range[0]": 1, "yaxis.range[1]": 2}, False),
-    (None, False),
-])
+@pytest.mark.parametrize(
+    ("relayout", "window"),
+    [
+        ({"xaxis.range[0]": 10.4, "xaxis.range[1]": 99.6}, (10, 100)),
+        ({"xaxis2.range": [50, 20]}, (20, 50)),
+        ({"xaxis.autorange": True, "yaxis.autorange": True}, None),
+        ({"autosize": True}, False),
+        ({"yaxis.range[0]": 1, "yaxis.range[1]": 2}, False),
+        (None, False),
+    ],
+)
 def test_zoom_window_reads_the_x_range(relayout: Any, window: Any) -> None:
     assert zoom_window(relayout) == window
 
 
 def test_zooming_refetches_the_window_at_finer_resolution(
-    collector_transport: MakeTransport, steps_json: dict[str, Any],
+    collector_transport: MakeTransport,
+    steps_json: dict[str, Any],
 ) -> None:
     transport = collector_transport()
     app = make_app(transport)
     graphs = [(graph, "relayoutData", None) for graph in ids.ZOOMABLE_GRAPHS]
-    graphs[0] = (ids.LOSS_SCALE_GRAPH, "relayoutData",
-                 {"xaxis.range[0]": 2.2, "xaxis.range[1]": 4.9})
+    graphs[0] = (
+        ids.LOSS_SCALE_GRAPH,
+        "relayoutData",
+        {"xaxis.range[0]": 2.2, "xaxis.range[1]": 4.9},
+    )
     inputs = [*graphs, (ids.HEATMAP_STAT, "value", "zero_fraction")]
     state = [(ids.RUN_ID, "data", RUN_ID), (ids.RUN_ZOOM, "data", None)]
     zoom = call_callback(app, (ids.RUN_ZOOM, "data"), inputs, state, changed=0)
     assert (zoom["start"], zoom["end"]) == (2, 5)
-    (read,) = [r for r in transport.requests  # type: ignore[attr-defined]
-               if r.url.path.endswith("/steps")]
-    assert dict(read.url.params) == {"rank": "0", "start": "2", "end": "5",
-                                     "max_points": "2000"}
-    view = render_run(fetch_run_data(CollectorClient("http://collector.test",
-                                                     transport=collector_transport()), RUN_ID),
-                      zoom)
+    (read,) = [
+        r
+        for r in transport.requests  # type: ignore[attr-defined]
+        if r.url.path.endswith("/steps")
+    ]
+    assert dict(read.url.params) == {"rank": "0", "start": "2", "end": "5", "max_points": "2000"}
+    view = render_run(
+        fetch_run_data(
+            CollectorClient("http://collector.test", transport=collector_transport()), RUN_ID
+        ),
+        zoom,
+    )
     assert tuple(view[1].layout.xaxis.range) == (2, 5)
 
     graphs[0] = (ids.LOSS_SCALE_GRAPH, "relayoutData", {"xaxis.autorange": True})
-    assert call_callback(app, (ids.RUN_ZOOM, "data"), [*graphs, inputs[-1]], state,
-                         changed=0) is None
+    assert (
+        call_callback(app, (ids.RUN_ZOOM, "data"), [*graphs, inputs[-1]], state, changed=0) is None
+    )
 
 
 def test_alerts_and_restart_advice_render_with_explanations(
@@ -382,11 +455,13 @@ def test_without_alert_engine_or_advisor_the_page_says_so(
 ) -> None:
     run = f"/api/v1/runs/{RUN_ID}"
     transport = collector_transport(missing=(f"{run}/alerts", f"{run}/restart-candidates"))
-    view = render_run(fetch_run_data(CollectorClient("http://collector.test",
-                                                     transport=transport), RUN_ID))
+    view = render_run(
+        fetch_run_data(CollectorClient("http://collector.test", transport=transport), RUN_ID)
+    )
     assert view[6].layout.annotations[0].text == "This collector has no alert engine."
-    text = json.dumps([view[7].to_plotly_json(), view[8].to_plotly_json()],
-                      default=lambda c: c.to_plotly_json())
+    text = json.dumps(
+        [view[7].to_plotly_json(), view[8].to_plotly_json()], default=lambda c: c.to_plotly_json()
+    )
     assert "not available on this collector" in text
     assert "/ckpt/4.pt" in text  # the agent's checkpoints still listed
     assert "ckpt" in [a.text for a in view[1].layout.annotations]
@@ -398,13 +473,13 @@ def test_heatmap_click_and_layer_pick_open_the_layer_page(
     app = make_app(collector_transport())
     click = {"points": [{"x": 40, "y": "blocks.0/odd.weight", "z": 1.0}]}
     inputs = [(ids.HEATMAP_GRAPH, "clickData", click), (ids.RUN_LAYER_PICK, "value", None)]
-    href = call_callback(app, (ids.URL, "href"), inputs, [(ids.RUN_ID, "data", RUN_ID)],
-                         changed=0)
+    href = call_callback(app, (ids.URL, "href"), inputs, [(ids.RUN_ID, "data", RUN_ID)], changed=0)
     assert href == "/dashboard/run/7/layer/blocks.0%2Fodd.weight?step=40"
-    inputs = [(ids.HEATMAP_GRAPH, "clickData", None),
-              (ids.RUN_LAYER_PICK, "value", "head.weight")]
-    assert call_callback(app, (ids.URL, "href"), inputs, [(ids.RUN_ID, "data", RUN_ID)],
-                         changed=1) == "/dashboard/run/7/layer/head.weight"
+    inputs = [(ids.HEATMAP_GRAPH, "clickData", None), (ids.RUN_LAYER_PICK, "value", "head.weight")]
+    assert (
+        call_callback(app, (ids.URL, "href"), inputs, [(ids.RUN_ID, "data", RUN_ID)], changed=1)
+        == "/dashboard/run/7/layer/head.weight"
+    )
 
 
 def test_layer_page_draws_series_and_histograms(collector_transport: MakeTransport) -> None:
@@ -412,10 +487,16 @@ def test_layer_page_draws_series_and_histograms(collector_transport: MakeTranspo
     key = {"run_id": RUN_ID, "layer": "head.weight", "step": 4}
     body = {
         "output": "..layer-header.children...layer-histogram-graph.figure..."
-                  "layer-series-graph.figure...layer-pick.options..",
-        "outputs": [{"id": i, "property": p} for i, p in (
-            (ids.LAYER_HEADER, "children"), (ids.LAYER_HISTOGRAM_GRAPH, "figure"),
-            (ids.LAYER_SERIES_GRAPH, "figure"), (ids.LAYER_PICK, "options"))],
+        "layer-series-graph.figure...layer-pick.options..",
+        "outputs": [
+            {"id": i, "property": p}
+            for i, p in (
+                (ids.LAYER_HEADER, "children"),
+                (ids.LAYER_HISTOGRAM_GRAPH, "figure"),
+                (ids.LAYER_SERIES_GRAPH, "figure"),
+                (ids.LAYER_PICK, "options"),
+            )
+        ],
         "inputs": [{"id": ids.LAYER_KEY, "property": "data", "value": key}],
         "changedPropIds": [f"{ids.LAYER_KEY}.data"],
         "state": [],
@@ -434,13 +515,16 @@ def test_layer_page_draws_series_and_histograms(collector_transport: MakeTranspo
     # A heatmap cell's step, its bucket's start (3): the first histogram from there on.
     transport = collector_transport()
     body["inputs"][0]["value"] = {**key, "step": 3}
-    response = make_app(transport).server.test_client().post("/_dash-update-component",
-                                                             json=body)
-    histogram = json.loads(response.get_data(as_text=True))["response"][
-        ids.LAYER_HISTOGRAM_GRAPH]["figure"]
+    response = make_app(transport).server.test_client().post("/_dash-update-component", json=body)
+    histogram = json.loads(response.get_data(as_text=True))["response"][ids.LAYER_HISTOGRAM_GRAPH][
+        "figure"
+    ]
     assert histogram["layout"]["sliders"][0]["active"] == 1  # step 4, not 2
-    (exact,) = [dict(r.url.params) for r in transport.requests  # type: ignore[attr-defined]
-                if r.url.path.endswith("/histograms") and "start" in r.url.params]
+    (exact,) = [
+        dict(r.url.params)
+        for r in transport.requests  # type: ignore[attr-defined]
+        if r.url.path.endswith("/histograms") and "start" in r.url.params
+    ]
     assert (exact["start"], exact["max_points"]) == ("3", "1")
 
     key["layer"] = "nosuch.weight"
@@ -451,8 +535,9 @@ def test_layer_page_draws_series_and_histograms(collector_transport: MakeTranspo
 
 def test_compare_overlays_the_picked_runs(collector_transport: MakeTransport) -> None:
     app = make_app(collector_transport())
-    figure = call_callback(app, (ids.COMPARE_GRAPH, "figure"),
-                           [(ids.COMPARE_PICK, "value", [RUN_ID, RUN_ID])])
+    figure = call_callback(
+        app, (ids.COMPARE_GRAPH, "figure"), [(ids.COMPARE_PICK, "value", [RUN_ID, RUN_ID])]
+    )
     names = [t["name"] for t in figure["data"]]
     assert names == ["gpt-small"] * 3 + ["gpt-small (2)"] * 3
 
@@ -469,11 +554,19 @@ def test_unknown_run_and_unreachable_collector_render_messages_not_errors(
     assert "is it running" in routed_page(down, "/run/7")
     data = call_callback(down, (ids.RUNS_DATA, "data"), [(ids.RUNS_REFRESH, "n_intervals", 0)])
     assert "is it running" in data["error"]
-    assert "is it running" in json.dumps(call_callback(
-        down, (ids.RUNS_TABLE, "children"),
-        [(ids.RUNS_DATA, "data", data), (ids.RUNS_FILTER_TEXT, "value", ""),
-         (ids.RUNS_FILTER_HEALTH, "value", "any"), (ids.RUNS_FILTER_STATUS, "value", "any"),
-         (ids.RUNS_SORT, "data", runs.DEFAULT_SORT)]))
+    assert "is it running" in json.dumps(
+        call_callback(
+            down,
+            (ids.RUNS_TABLE, "children"),
+            [
+                (ids.RUNS_DATA, "data", data),
+                (ids.RUNS_FILTER_TEXT, "value", ""),
+                (ids.RUNS_FILTER_HEALTH, "value", "any"),
+                (ids.RUNS_FILTER_STATUS, "value", "any"),
+                (ids.RUNS_SORT, "data", runs.DEFAULT_SORT),
+            ],
+        )
+    )
 
 
 def test_two_apps_in_one_process_keep_their_own_collectors(
@@ -524,7 +617,8 @@ def test_before_the_first_fetch_the_graphs_say_loading() -> None:
 
 
 def test_picking_another_heatmap_statistic_fetches_only_the_heatmap(
-    collector_transport: MakeTransport, layers_json: dict[str, Any],
+    collector_transport: MakeTransport,
+    layers_json: dict[str, Any],
 ) -> None:
     transport = collector_transport()
     client = CollectorClient("http://collector.test", transport=transport)
@@ -542,10 +636,20 @@ def test_a_model_wide_alert_storm_shows_the_worst_and_counts_the_rest(
     alerts_json: dict[str, Any],
 ) -> None:
     collapse, underflow = (Alert.from_json(a) for a in alerts_json["alerts"])
-    storm = [Alert.from_json({**alerts_json["alerts"][1], "id": 10 + i, "rule": "underflow_risk",
-                              "layer": f"blocks.{i}.weight", "severity": "warning",
-                              "status": "firing", "fired_step": i})
-             for i in range(100)]
+    storm = [
+        Alert.from_json(
+            {
+                **alerts_json["alerts"][1],
+                "id": 10 + i,
+                "rule": "underflow_risk",
+                "layer": f"blocks.{i}.weight",
+                "severity": "warning",
+                "status": "firing",
+                "fired_step": i,
+            }
+        )
+        for i in range(100)
+    ]
     shown, hidden = select_alerts([underflow, *storm, collapse], limit=5)
     assert shown[0] == collapse  # firing, critical, run-wide
     assert [a.layer for a in shown[1:]] == [f"blocks.{i}.weight" for i in (99, 98, 97, 96)]

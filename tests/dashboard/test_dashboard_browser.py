@@ -40,8 +40,14 @@ SCREENSHOTS = Path(__file__).resolve().parents[2] / "artifacts" / "screenshots"
 RENDER_TIMEOUT_MS = 30_000
 HEALTHY_NAME = "gpt-fp16-healthy"
 HEALTHY_STEPS = 3000
-RUN_GRAPHS = (ids.LOSS_SCALE_GRAPH, ids.SKIP_RATE_GRAPH, ids.GRAD_NORM_GRAPH,
-              ids.ACTIVATION_NORM_GRAPH, ids.HEATMAP_GRAPH, ids.ALERTS_GRAPH)
+RUN_GRAPHS = (
+    ids.LOSS_SCALE_GRAPH,
+    ids.SKIP_RATE_GRAPH,
+    ids.GRAD_NORM_GRAPH,
+    ids.ACTIVATION_NORM_GRAPH,
+    ids.HEATMAP_GRAPH,
+    ids.ALERTS_GRAPH,
+)
 
 pytestmark = [
     pytest.mark.browser,
@@ -147,8 +153,14 @@ def points_in(page: Any, graph_id: str, low: int, high: int) -> int:
 def test_a_visit_by_url_renders_without_the_router(collector: str, page: Any) -> None:
     """The run page comes inside the initial layout: no callback draws the page."""
     routed: list[str] = []
-    page.on("request", lambda r: routed.append(r.url) if "_dash-update-component" in r.url
-            and f'"{ids.PAGE}.children"' in (r.post_data or "") else None)
+    page.on(
+        "request",
+        lambda r: (
+            routed.append(r.url)
+            if "_dash-update-component" in r.url and f'"{ids.PAGE}.children"' in (r.post_data or "")
+            else None
+        ),
+    )
     page.goto(f"{collector}/dashboard/run/1")
     wait_for_graphs(page, *RUN_GRAPHS)
     assert routed == []
@@ -156,19 +168,26 @@ def test_a_visit_by_url_renders_without_the_router(collector: str, page: Any) ->
 
 @pytest.mark.parametrize("referrer", ["another page", "no-referrer policy"])
 def test_a_referrer_that_is_not_the_page_still_gets_the_page(
-        collector: str, page: Any, referrer: str) -> None:
+    collector: str, page: Any, referrer: str
+) -> None:
     """A Referer naming another page (the runs list) draws that into the initial layout;
     the browser sees its URL is the run page and the router draws that. A proxy's
     `Referrer-Policy: no-referrer`: an empty frame, filled by the router."""
     if referrer == "another page":
         page.set_extra_http_headers({"Referer": f"{collector}/dashboard/"})
     else:
-        page.route("**/dashboard/run/1", lambda route: route.fulfill(
-            response=route.fetch(), headers={"Referrer-Policy": "no-referrer"}))
+        page.route(
+            "**/dashboard/run/1",
+            lambda route: route.fulfill(
+                response=route.fetch(), headers={"Referrer-Policy": "no-referrer"}
+            ),
+        )
     with page.expect_response(lambda r: "_dash-layout" in r.url) as layout:
         page.goto(f"{collector}/dashboard/run/1")
-    drawn = {child["props"].get("id"): child["props"].get("data")
-             for child in layout.value.json()["props"]["children"]}[ids.PAGE_DRAWN]
+    drawn = {
+        child["props"].get("id"): child["props"].get("data")
+        for child in layout.value.json()["props"]["children"]
+    }[ids.PAGE_DRAWN]
     assert drawn == ("/dashboard/" if referrer == "another page" else None)
     wait_for_graphs(page, *RUN_GRAPHS)
     assert page.locator(f"#{ids.RUNS_TABLE}").count() == 0
@@ -192,15 +211,15 @@ def test_runs_overview_shows_health_and_links(collector: str, page: Any) -> None
     page.get_by_role("button", name="last step").click()  # sort: most steps first
     page.wait_for_function(
         "(name) => document.querySelector('table.runs tbody tr').innerText.includes(name)",
-        arg=RUN_NAME)
+        arg=RUN_NAME,
+    )
 
     link.click()  # client-side navigation under the /dashboard/ prefix
     page.wait_for_url(f"{collector}/dashboard/run/1")
     wait_for_graphs(page, *RUN_GRAPHS)
 
 
-def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str,
-                                                                  page: Any) -> None:
+def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str, page: Any) -> None:
     page.goto(f"{collector}/dashboard/run/1")
     wait_for_graphs(page, *RUN_GRAPHS)
     assert page.title() == "ampwatch"
@@ -227,9 +246,13 @@ def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str,
     assert frozen == [1.0, 1.0, 1.0]  # the layer that stopped learning, drawn red
     # Columns on evenly spaced bucket starts (`figures.bucket_grid`), so plotly.js paints a
     # pixel per cell rather than filling each on a full-size canvas.
-    assert page.evaluate(
-        "(id) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0]._islinear",
-        ids.HEATMAP_GRAPH) is True
+    assert (
+        page.evaluate(
+            "(id) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0]._islinear",
+            ids.HEATMAP_GRAPH,
+        )
+        is True
+    )
     timeline = {t["name"] for t in graph_traces(page, ids.ALERTS_GRAPH)}
     assert {"critical", "fired"} <= timeline
 
@@ -252,7 +275,8 @@ def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str,
     page.wait_for_function(
         """(id) => document.querySelector(`#${id} .js-plotly-plot`).layout.title.text
             .startsWith('Flush-to-zero')""",
-        arg=ids.HEATMAP_GRAPH, timeout=RENDER_TIMEOUT_MS,
+        arg=ids.HEATMAP_GRAPH,
+        timeout=RENDER_TIMEOUT_MS,
     )
     page.locator(f"#{ids.HEATMAP_GRAPH}").screenshot(path=str(SCREENSHOTS / "heatmap-flush.png"))
 
@@ -267,9 +291,11 @@ def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any)
     # The zoom callback's answer to this relayout; not to the charts' own relayout events
     # (autosize on first draw), which it answers with no update.
     with page.expect_response(
-        lambda r: "_dash-update-component" in r.url
-        and (r.request.post_data_json or {}).get("output") == f"{ids.RUN_ZOOM}.data"
-        and "xaxis.range" in (r.request.post_data or "")
+        lambda r: (
+            "_dash-update-component" in r.url
+            and (r.request.post_data_json or {}).get("output") == f"{ids.RUN_ZOOM}.data"
+            and "xaxis.range" in (r.request.post_data or "")
+        )
     ) as answer:
         page.evaluate(
             """([id, low, high]) => Plotly.relayout(
@@ -281,7 +307,8 @@ def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any)
     assert zoom["steps"]["step"] == list(range(low, high + 1))  # every step, exact
     page.wait_for_function(
         "([id, n]) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].x.length === n",
-        arg=[ids.LOSS_SCALE_GRAPH, high - low + 1], timeout=RENDER_TIMEOUT_MS,
+        arg=[ids.LOSS_SCALE_GRAPH, high - low + 1],
+        timeout=RENDER_TIMEOUT_MS,
     )
     assert points_in(page, ids.LOSS_SCALE_GRAPH, low, high) == high - low + 1 > before
     # The other step charts follow the zoom.
@@ -289,8 +316,7 @@ def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any)
     screenshot(page, "run-zoomed.png")
 
 
-def test_heatmap_click_opens_the_layer_page_with_its_histogram(collector: str,
-                                                               page: Any) -> None:
+def test_heatmap_click_opens_the_layer_page_with_its_histogram(collector: str, page: Any) -> None:
     page.goto(f"{collector}/dashboard/run/1")
     wait_for_graphs(page, ids.HEATMAP_GRAPH)
     layer = "blocks.2.mlp.fc2.weight"
@@ -319,7 +345,8 @@ def test_heatmap_click_opens_the_layer_page_with_its_histogram(collector: str,
     page.wait_for_function(
         """(id) => !document.querySelector(`#${id} .js-plotly-plot`).layout.title.text
             .endsWith('step 3,000')""",
-        arg=ids.LAYER_HISTOGRAM_GRAPH, timeout=RENDER_TIMEOUT_MS,
+        arg=ids.LAYER_HISTOGRAM_GRAPH,
+        timeout=RENDER_TIMEOUT_MS,
     )
 
 
@@ -338,22 +365,27 @@ def test_live_run_appends_new_steps_without_a_reload(collector: str, page: Any) 
     assert page.get_by_text("No alert has fired for this run.").count() == 1
     page.evaluate("() => { window.notReloaded = true; }")
     before = graph_traces(page, ids.LOSS_SCALE_GRAPH)[0]["x"]
-    *_, next_batch = batches(steps=HEALTHY_STEPS + 500, client_run_id="healthy",
-                             name=HEALTHY_NAME)
+    *_, next_batch = batches(steps=HEALTHY_STEPS + 500, client_run_id="healthy", name=HEALTHY_NAME)
     with page.expect_response(
-        lambda r: "_dash-update-component" in r.url
-        and ids.RUN_CURSOR in (r.request.post_data or "")  # the refresh callback
-        and r.status == 200,
+        lambda r: (
+            "_dash-update-component" in r.url
+            and ids.RUN_CURSOR in (r.request.post_data or "")  # the refresh callback
+            and r.status == 200
+        ),
         timeout=RENDER_TIMEOUT_MS,
     ) as answer:
         ingest(collector, next_batch)
     update = json.loads(answer.value.text())["response"][ids.RUN_DATA]["data"]
-    extended = {tuple(op["location"]): op["params"]["value"] for op in update["operations"]
-                if op["operation"] == "Extend"}
+    extended = {
+        tuple(op["location"]): op["params"]["value"]
+        for op in update["operations"]
+        if op["operation"] == "Extend"
+    }
     assert extended[("steps", "step")] == list(range(HEALTHY_STEPS + 1, HEALTHY_STEPS + 501))
     page.wait_for_function(
         "([id, n]) => document.querySelector(`#${id} .js-plotly-plot`)._fullData[0].x.length === n",
-        arg=[ids.LOSS_SCALE_GRAPH, before + 500], timeout=RENDER_TIMEOUT_MS,
+        arg=[ids.LOSS_SCALE_GRAPH, before + 500],
+        timeout=RENDER_TIMEOUT_MS,
     )
     assert page.evaluate("() => window.notReloaded") is True
 
@@ -365,8 +397,7 @@ def test_unknown_run_says_so_without_errors(collector: str, page: Any) -> None:
     screenshot(page, "run-not-found.png")
 
 
-def test_layer_dropdown_searches_the_run_layers_and_opens_one(collector: str,
-                                                              page: Any) -> None:
+def test_layer_dropdown_searches_the_run_layers_and_opens_one(collector: str, page: Any) -> None:
     """Its options come from the page's store in the browser: the typed text narrows them,
     and a pick opens the layer's page."""
     page.goto(f"{collector}/dashboard/run/1")
@@ -394,6 +425,7 @@ def test_the_collector_compresses_what_the_dashboard_sends(collector: str) -> No
         response = httpx.get(collector + path, headers={"Accept-Encoding": "gzip"}, timeout=30)
         assert response.status_code == 200
         assert response.headers["content-encoding"] == "gzip", path
-    plain = httpx.get(collector + "/dashboard/", headers={"Accept-Encoding": "identity"},
-                      timeout=30)
+    plain = httpx.get(
+        collector + "/dashboard/", headers={"Accept-Encoding": "identity"}, timeout=30
+    )
     assert "content-encoding" not in plain.headers and "<html" in plain.text.lower()

@@ -109,8 +109,7 @@ def test_steps_window_is_sent_as_start_end_and_max_points(
     client_for(transport).steps(RUN_ID, start=10, end=20, max_points=500)
     client_for(transport).steps(RUN_ID)
     first, plain = transport.requests  # type: ignore[attr-defined]
-    assert dict(first.url.params) == {"rank": "0", "start": "10", "end": "20",
-                                      "max_points": "500"}
+    assert dict(first.url.params) == {"rank": "0", "start": "10", "end": "20", "max_points": "500"}
     assert "start" not in plain.url.params  # None leaves the collector's default
 
 
@@ -121,12 +120,14 @@ def test_alerts_and_advice_decode_the_contract(collector_transport: MakeTranspor
     collapse, underflow = alerts
     assert collapse.layer is None  # '' from the collector: a run-level rule
     assert (collapse.rule, collapse.status, collapse.fired_step) == (
-        "loss_scale_collapse", "firing", 5)
+        "loss_scale_collapse",
+        "firing",
+        5,
+    )
     assert underflow.layer == "head.weight" and underflow.resolved_step == 4
     advice = client.restart_candidates(RUN_ID)
     assert advice is not None and advice.recommended_step == 4
-    assert [(c.step, c.verdict) for c in advice.candidates] == [
-        (4, "recommended"), (6, "rejected")]
+    assert [(c.step, c.verdict) for c in advice.candidates] == [(4, "recommended"), (6, "rejected")]
     assert advice.candidates[1].act_norm is not None and math.isnan(advice.candidates[1].act_norm)
     assert advice.to_json()["candidates"][1]["act_norm"] == "NaN"
 
@@ -135,8 +136,7 @@ def test_missing_alert_engine_or_advisor_reads_as_not_available(
     collector_transport: MakeTransport,
 ) -> None:
     run = f"/api/v1/runs/{RUN_ID}"
-    client = client_for(collector_transport(missing=(f"{run}/alerts",
-                                                     f"{run}/restart-candidates")))
+    client = client_for(collector_transport(missing=(f"{run}/alerts", f"{run}/restart-candidates")))
     assert client.alerts(RUN_ID) is None
     assert client.restart_candidates(RUN_ID) is None
 
@@ -148,15 +148,15 @@ def test_layer_reads_quote_the_name_and_decode(collector_transport: MakeTranspor
     assert series.step == [2, 4, 6] and math.isnan(series.value[2])  # type: ignore[arg-type]
     hists = client.layer_histograms(RUN_ID, "head.weight")
     assert hists.offsets == [100, 99, 0] and hists.counts[0] == [1, 2]
-    assert client.layer_names(RUN_ID) == ["embed.weight", "blocks.0.mlp.fc1.weight",
-                                          "head.weight"]
+    assert client.layer_names(RUN_ID) == ["embed.weight", "blocks.0.mlp.fc1.weight", "head.weight"]
     names_request = transport.requests[-1]  # type: ignore[attr-defined]
     # A window past every step: the collector lists the columns and reads no row.
     assert names_request.url.params["start"] == str(2**63 - 1)
     with pytest.raises(RunNotFound):
         client.layer_series(RUN_ID, "a/b", "zero_fraction")
     assert transport.requests[-1].url.raw_path.startswith(  # type: ignore[attr-defined]
-        f"/api/v1/runs/{RUN_ID}/layers/a%2Fb/series".encode())
+        f"/api/v1/runs/{RUN_ID}/layers/a%2Fb/series".encode()
+    )
 
 
 def test_run_summary_reads_health_and_skip_rate(run_json: dict[str, Any]) -> None:

@@ -47,12 +47,13 @@ def test_loss_scale_has_dashed_line_at_one(series: StepSeries) -> None:
 
 
 def test_run_without_scaler_says_so_instead_of_empty_axes(steps_json: dict[str, Any]) -> None:
-    no_scaler = StepSeries.from_json({**steps_json,
-                                      "loss_scale": [None] * len(steps_json["step"])})
+    no_scaler = StepSeries.from_json({**steps_json, "loss_scale": [None] * len(steps_json["step"])})
     texts = [a.text for a in figures.loss_scale_figure(no_scaler).layout.annotations]
     assert figures.NO_SCALER_MESSAGE in texts
-    texts = [a.text for a in figures.loss_scale_figure(StepSeries.from_json(steps_json))
-             .layout.annotations]
+    texts = [
+        a.text
+        for a in figures.loss_scale_figure(StepSeries.from_json(steps_json)).layout.annotations
+    ]
     assert figures.NO_SCALER_MESSAGE not in texts
 
 
@@ -149,8 +150,11 @@ def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
     ticks = list(figure.layout.yaxis.tickvals)
     assert len(ticks) == 50 and ticks[:2] == ["blocks.0.weight", "blocks.4.weight"]
     assert list(figure.layout.yaxis.ticktext) == ticks
-    short = figures.layer_heatmap(LayerMatrix.from_json(
-        {"stat": "zero_fraction", "layers": layers[:3], "steps": [1], "values": [[0.0] * 3]}))
+    short = figures.layer_heatmap(
+        LayerMatrix.from_json(
+            {"stat": "zero_fraction", "layers": layers[:3], "steps": [1], "values": [[0.0] * 3]}
+        )
+    )
     assert list(short.layout.yaxis.tickvals) == layers[:3]  # a short one labels every row
 
 
@@ -159,8 +163,11 @@ def test_row_labels_are_cut_from_the_left_and_the_margin_fits_them() -> None:
     names, and a name too long for it keeps its distinguishing end."""
     long = "model.decoder.layers.23.self_attn.out_proj." + "x" * 40 + ".weight"
     layers = ["fc1.weight", long]
-    figure = figures.layer_heatmap(LayerMatrix.from_json(
-        {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0, 0.0]]}))
+    figure = figures.layer_heatmap(
+        LayerMatrix.from_json(
+            {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0, 0.0]]}
+        )
+    )
     text = list(figure.layout.yaxis.ticktext)
     assert text[0] == "fc1.weight"
     assert len(text[1]) == figures.LABEL_CHARS and text[1].startswith("…")
@@ -258,35 +265,54 @@ def test_checkpoint_verdicts_mark_the_recommended_restart(series: StepSeries) ->
 
 
 def alert(**fields: Any) -> Alert:
-    base = {"id": 1, "run_id": 7, "rule": "loss_scale_collapse", "layer": "",
-            "severity": "critical", "status": "firing", "started_step": 3, "fired_step": 4,
-            "resolved_step": None, "started_at": 1.0, "fired_at": 2.0, "resolved_at": None,
-            "message": "loss scale 0.5 is below min_scale 1", "values": {"loss_scale": 0.5}}
+    base = {
+        "id": 1,
+        "run_id": 7,
+        "rule": "loss_scale_collapse",
+        "layer": "",
+        "severity": "critical",
+        "status": "firing",
+        "started_step": 3,
+        "fired_step": 4,
+        "resolved_step": None,
+        "started_at": 1.0,
+        "fired_at": 2.0,
+        "resolved_at": None,
+        "message": "loss scale 0.5 is below min_scale 1",
+        "values": {"loss_scale": 0.5},
+    }
     return Alert.from_json({**base, **fields})
 
 
 def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series, alerts=[
-        alert(), alert(id=2, rule="silent_underflow", layer="head.weight", fired_step=2),
-    ])
+    figure = figures.loss_scale_figure(
+        series,
+        alerts=[
+            alert(),
+            alert(id=2, rule="silent_underflow", layer="head.weight", fired_step=2),
+        ],
+    )
     (rect,) = [s for s in figure.layout.shapes if s.type == "rect"]
     assert (rect.x0, rect.x1) == (4, 6)  # fired at 4, still firing at the last step
     assert rect.fillcolor == figures.SEVERITY_COLORS["critical"]
 
 
 def test_zoomed_figures_pin_the_step_axis(series: StepSeries) -> None:
-    for figure in (figures.loss_scale_figure(series, x_range=(2, 5)),
-                   figures.skip_rate_figure(series, x_range=(2, 5)),
-                   figures.grad_norm_figure(series, x_range=(2, 5)),
-                   figures.activation_norm_figure(series, x_range=(2, 5))):
+    for figure in (
+        figures.loss_scale_figure(series, x_range=(2, 5)),
+        figures.skip_rate_figure(series, x_range=(2, 5)),
+        figures.grad_norm_figure(series, x_range=(2, 5)),
+        figures.activation_norm_figure(series, x_range=(2, 5)),
+    ):
         assert tuple(figure.layout.xaxis.range) == (2, 5)
         assert figure.layout.xaxis.autorange is False
     assert figures.loss_scale_figure(series).layout.xaxis.range is None
 
 
 def test_skip_rate_counts_skips_per_window() -> None:
-    series = StepSeries.from_json({"step": list(range(1, 11)),
-                                   "skipped": [s in (3, 4, 9) for s in range(1, 11)]})
+    series = StepSeries.from_json(
+        {"step": list(range(1, 11)), "skipped": [s in (3, 4, 9) for s in range(1, 11)]}
+    )
     starts, rates = figures.skip_rates(series, buckets=2)
     assert starts == [0, 5, 10]
     assert rates == [2 / 4, 1 / 5, 0.0]  # window 0..4 holds steps 1..4 only
@@ -296,8 +322,14 @@ def test_skip_rate_counts_skips_per_window() -> None:
 
 def test_skip_rate_uses_the_collectors_skip_counts_when_downsampled() -> None:
     """Downsampled points stand for many steps: skipped_count, not the skipped flag, counts."""
-    series = StepSeries.from_json({"step": [0, 63, 64, 127], "skipped": [True, False, False,
-                                   False], "skipped_count": [5, 0, 0, 0], "bucket_width": 64})
+    series = StepSeries.from_json(
+        {
+            "step": [0, 63, 64, 127],
+            "skipped": [True, False, False, False],
+            "skipped_count": [5, 0, 0, 0],
+            "bucket_width": 64,
+        }
+    )
     starts, rates = figures.skip_rates(series, buckets=2)
     assert starts == [0, 64] and rates == [5 / 64, 0.0]
 
@@ -310,11 +342,14 @@ def test_grad_norm_is_log_with_gaps_for_non_finite(series: StepSeries) -> None:
 
 
 def test_grad_norm_after_clipping_is_a_second_trace(steps_json: dict[str, Any]) -> None:
-    series = StepSeries.from_json({**steps_json, "grad_norm_clipped": [
-        1.0, 0.9, "NaN", 0.8, None, 0.5]})
+    series = StepSeries.from_json(
+        {**steps_json, "grad_norm_clipped": [1.0, 0.9, "NaN", 0.8, None, 0.5]}
+    )
     figure = figures.grad_norm_figure(series)
     assert [trace.name for trace in figure.data] == [
-        "grad norm (unscaled, before clipping)", "after clipping"]
+        "grad norm (unscaled, before clipping)",
+        "after clipping",
+    ]
     assert values(figure.data[1].y) == [1.0, 0.9, None, 0.8, None, 0.5]
 
 
@@ -326,11 +361,14 @@ def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
     assert norms[-1] > high[-1] * 3  # the spike is judged against what came before
 
 
-@pytest.mark.parametrize(("stat", "title"), [
-    ("zero_fraction", "Zero-gradient fraction per layer"),
-    ("subnormal_fraction", "FP16-subnormal share per layer"),
-    ("flush_fraction", "Flush-to-zero forecast per layer"),
-])
+@pytest.mark.parametrize(
+    ("stat", "title"),
+    [
+        ("zero_fraction", "Zero-gradient fraction per layer"),
+        ("subnormal_fraction", "FP16-subnormal share per layer"),
+        ("flush_fraction", "Flush-to-zero forecast per layer"),
+    ],
+)
 def test_heatmap_names_its_statistic(layers_json: dict[str, Any], stat: str, title: str) -> None:
     figure = figures.layer_heatmap(LayerMatrix.from_json({**layers_json, "stat": stat}))
     assert figure.layout.title.text == title
@@ -338,10 +376,27 @@ def test_heatmap_names_its_statistic(layers_json: dict[str, Any], stat: str, tit
 
 
 def test_alerts_timeline_draws_each_alert_over_its_steps() -> None:
-    alerts = [alert(), alert(id=2, rule="skip_rate", severity="warning", status="resolved",
-                             started_step=1, fired_step=2, resolved_step=3),
-              alert(id=3, rule="underflow_risk", layer="head.weight", severity="warning",
-                    status="pending", started_step=5, fired_step=None)]
+    alerts = [
+        alert(),
+        alert(
+            id=2,
+            rule="skip_rate",
+            severity="warning",
+            status="resolved",
+            started_step=1,
+            fired_step=2,
+            resolved_step=3,
+        ),
+        alert(
+            id=3,
+            rule="underflow_risk",
+            layer="head.weight",
+            severity="warning",
+            status="pending",
+            started_step=5,
+            fired_step=None,
+        ),
+    ]
     figure = figures.alerts_timeline_figure(alerts, last_step=10)
     critical = trace(figure, "critical")
     assert list(critical.base) == [3] and list(critical.x) == [7]  # 3 → still firing at 10
@@ -353,18 +408,27 @@ def test_alerts_timeline_draws_each_alert_over_its_steps() -> None:
     assert critical.customdata[0][1] == "loss scale 0.5 is below min_scale 1"
 
 
-@pytest.mark.parametrize(("alerts", "text"), [
-    (None, "This collector has no alert engine."),
-    ([], "No alert has fired for this run."),
-])
+@pytest.mark.parametrize(
+    ("alerts", "text"),
+    [
+        (None, "This collector has no alert engine."),
+        ([], "No alert has fired for this run."),
+    ],
+)
 def test_alerts_timeline_says_why_it_is_empty(alerts: Any, text: str) -> None:
     figure = figures.alerts_timeline_figure(alerts, last_step=10)
     assert figure.layout.annotations[0].text == text and not figure.data
 
 
 def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
-    other = StepSeries.from_json({"step": [1, 2, 3], "loss": [3.0, 2.9, 2.8],
-                                  "loss_scale": [0.5, 0.25, 0.25], "act_norm_max": [1, 2, 3]})
+    other = StepSeries.from_json(
+        {
+            "step": [1, 2, 3],
+            "loss": [3.0, 2.9, 2.8],
+            "loss_scale": [0.5, 0.25, 0.25],
+            "act_norm_max": [1, 2, 3],
+        }
+    )
     figure = figures.compare_figure([("a", series), ("b", other)])
     assert [t.name for t in figure.data] == ["a"] * 3 + ["b"] * 3
     assert [t.showlegend for t in figure.data] == [True, False, False] * 2

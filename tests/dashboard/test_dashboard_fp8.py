@@ -43,9 +43,10 @@ def test_the_page_says_which_layer_needs_finer_scaling(
         page, _ = fp8_view(client, run_id, "/dashboard/run/1")
         app = create_dash_app(f"{live.url}", requests_pathname_prefix="/dashboard/")
         served = {
-            path: app.server.test_client().get(
-                "/_dash-layout", headers={"Referer": f"http://host/dashboard/run/{run_id}{path}"}
-            ).get_data(as_text=True).replace("\\u002f", "/")  # Dash's JSON escapes "/"
+            path: app.server.test_client()
+            .get("/_dash-layout", headers={"Referer": f"http://host/dashboard/run/{run_id}{path}"})
+            .get_data(as_text=True)
+            .replace("\\u002f", "/")  # Dash's JSON escapes "/"
             for path in ("", "/fp8")
         }
     assert readiness is not None and advice is not None
@@ -55,7 +56,9 @@ def test_the_page_says_which_layer_needs_finer_scaling(
 
     rows = verdict_rows(readiness)
     assert [(r["layer"], r["verdict"]) for r in rows] == [
-        ("2.weight", "needs finer scaling"), ("0.weight", "fits (per-tensor FP8)")]
+        ("2.weight", "needs finer scaling"),
+        ("0.weight", "fits (per-tensor FP8)"),
+    ]
     assert rows[0]["fits with"] == "tile_1x128, mxfp8"
     text = _text(page)
     assert "1 fits (per-tensor FP8), 1 needs finer scaling, 0 keep in BF16" in text

@@ -31,9 +31,13 @@ def test_formats_match_their_specifications() -> None:
     assert (formats["FP16"].min_subnormal, formats["FP16"].min_normal) == (-24, -14)
     assert 2 ** formats["FP16"].max == pytest.approx(65504)
     assert (formats["FP8 E4M3"].min_subnormal, 2 ** formats["FP8 E4M3"].max) == (
-        -9, pytest.approx(448))
+        -9,
+        pytest.approx(448),
+    )
     assert (formats["FP8 E5M2"].min_subnormal, 2 ** formats["FP8 E5M2"].max) == (
-        -16, pytest.approx(57344))
+        -16,
+        pytest.approx(57344),
+    )
     assert (formats["BF16"].min_subnormal, formats["BF16"].min_normal) == (-133, -126)
 
 
@@ -60,7 +64,8 @@ def test_one_animation_frame_per_step_with_a_slider_and_play_button() -> None:
     figure = layer_figures.exponent_histogram_figure(HISTS, [1.0, 1.0, 4.0])
     assert [f.name for f in figure.frames] == ["10", "20", "30"]
     assert [list(f.data[0].x) for f in figure.frames][2] == [
-        f - EXPONENT_BIAS + 2 + 0.5 for f in (100, 101, 102)]
+        f - EXPONENT_BIAS + 2 + 0.5 for f in (100, 101, 102)
+    ]
     (slider,) = figure.layout.sliders
     assert slider.active == 2  # the latest step first
     assert [list(s.args[0]) for s in slider.steps] == [["10"], ["20"], ["30"]]
@@ -74,8 +79,7 @@ def test_ranges_are_drawn_under_the_histogram() -> None:
     ruler = {t.name: t for t in figure.data[1:]}
     normal = ruler["normal range"]
     i = list(normal.y).index("FP16")
-    assert normal.base[i] == -14 and normal.base[i] + normal.x[i] == pytest.approx(
-        math.log2(65504))
+    assert normal.base[i] == -14 and normal.base[i] + normal.x[i] == pytest.approx(math.log2(65504))
     subnormal = ruler["subnormal range"]
     assert subnormal.base[i] == -24 and subnormal.x[i] == 10
     zones = [(s.x0, s.x1) for s in figure.layout.shapes]
@@ -93,7 +97,11 @@ def test_empty_histograms_say_so() -> None:
 
 def test_scales_at_takes_the_last_point_at_or_before_each_step() -> None:
     assert layer_figures.scales_at([1, 5, 10, 11], [2, 5, 9], [8.0, 4.0, 2.0]) == [
-        None, 4.0, 2.0, 2.0]
+        None,
+        4.0,
+        2.0,
+        2.0,
+    ]
 
 
 def test_layer_series_has_the_shares_and_the_overflow_ceiling() -> None:
@@ -101,8 +109,10 @@ def test_layer_series_has_the_shares_and_the_overflow_ceiling() -> None:
         return LayerSeries("w", stat, [10, 20], value)
 
     figure = layer_figures.layer_series_figure(
-        {"zero_fraction": series("zero_fraction", [0.0, 1.0]),
-         "flush_fraction": series("flush_fraction", [0.1, math.nan])},
+        {
+            "zero_fraction": series("zero_fraction", [0.0, 1.0]),
+            "flush_fraction": series("flush_fraction", [0.1, math.nan]),
+        },
         series("max_abs_scaled", [100.0, 0.0]),
     )
     names = [t.name for t in figure.data]

@@ -66,7 +66,8 @@ def registry() -> Iterator[tuple[str, dict[str, Any]]]:
 
 
 def test_fetch_stores_the_bundle_once_and_only_when_its_hash_matches(
-        registry: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    registry: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
     url, state = registry
     with pytest.raises(ValueError, match="sha512"):
         plotly_bundle.fetch(tmp_path, url=url, integrity=integrity(b"another file"))
@@ -81,7 +82,8 @@ def test_fetch_stores_the_bundle_once_and_only_when_its_hash_matches(
 
 
 def test_fetch_rejects_a_tarball_without_the_bundle(
-        registry: tuple[str, dict[str, Any]], tmp_path: Path) -> None:
+    registry: tuple[str, dict[str, Any]], tmp_path: Path
+) -> None:
     url, state = registry
     state["body"] = tarball(member="package/README.md")
     with pytest.raises(ValueError, match="holds no"):
@@ -100,8 +102,9 @@ def test_a_missing_bundle_falls_back_to_plotly_full_bundle(tmp_path: Path) -> No
     assert plotly_bundle.cartesian_bundle(tmp_path) is None
 
 
-def index_and_bundle(monkeypatch: pytest.MonkeyPatch, folder: Path
-                     ) -> tuple[str, tuple[bytes, str, int | None]]:
+def index_and_bundle(
+    monkeypatch: pytest.MonkeyPatch, folder: Path
+) -> tuple[str, tuple[bytes, str, int | None]]:
     """The index page and (body, type, max-age) of the bundle's URL, with the assets
     folder at `folder`."""
     monkeypatch.setenv("AMPWATCH_ASSETS_DIR", str(folder))
@@ -114,7 +117,8 @@ def index_and_bundle(monkeypatch: pytest.MonkeyPatch, folder: Path
 
 
 def test_the_app_serves_the_fetched_bundle_and_loads_it_once_dash_has_started(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     plotly_bundle.bundle_path(tmp_path).write_bytes(SCRIPT)
     index, bundle = index_and_bundle(monkeypatch, tmp_path)
     assert f'script.src = "/dashboard/{BUNDLE_ROUTE}"' in index
@@ -125,24 +129,32 @@ def test_the_app_serves_the_fetched_bundle_and_loads_it_once_dash_has_started(
 
 
 def test_without_the_bundle_the_app_loads_plotly_full_bundle(
-        monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
     index, bundle = index_and_bundle(monkeypatch, tmp_path)
-    assert ('script.src = "/dashboard/_dash-component-suites/plotly/package_data/'
-            'plotly.min.js"') in index
+    assert (
+        'script.src = "/dashboard/_dash-component-suites/plotly/package_data/plotly.min.js"'
+    ) in index
     assert bundle[1] == "text/html"  # no such file: Dash's catch-all answers with its page
 
 
 def test_every_trace_the_pages_draw_is_one_the_cartesian_bundle_has(
-        run_json: dict[str, Any], steps_json: dict[str, Any], layers_json: dict[str, Any],
-        collector_transport: Any) -> None:
+    run_json: dict[str, Any],
+    steps_json: dict[str, Any],
+    layers_json: dict[str, Any],
+    collector_transport: Any,
+) -> None:
     """plotly.js draws nothing for a trace type its bundle lacks, silently: every figure
     of the run, compare and layer pages stays within the cartesian bundle's types."""
     client = CollectorClient("http://collector.test", transport=collector_transport())
-    built = [f for f in render_run(fetch_run_data(client, run_json["id"]))
-             if isinstance(f, go.Figure)]
+    built = [
+        f for f in render_run(fetch_run_data(client, run_json["id"])) if isinstance(f, go.Figure)
+    ]
     hists = LayerHistograms(layer="head.weight", steps=[10], offsets=[100], counts=[[1, 2]])
-    built += [figures.compare_figure([("a", StepSeries.from_json(steps_json))]),
-              layer_figures.exponent_histogram_figure(hists, [1024.0])]
+    built += [
+        figures.compare_figure([("a", StepSeries.from_json(steps_json))]),
+        layer_figures.exponent_histogram_figure(hists, [1024.0]),
+    ]
     types = {trace.type for figure in built for trace in figure.data}
     for frame in built[-1].frames:
         types |= {trace.type for trace in frame.data}

@@ -18,8 +18,11 @@ from ampwatch.server.serving import bind_socket
 
 def _series(api: httpx.Client, run_id: int) -> dict[str, list]:
     raw = api.get(f"/api/v1/runs/{run_id}/steps").json()
-    return {key: [decode_float(v) if key not in ("step", "skipped") else v for v in values]
-            for key, values in raw.items() if isinstance(values, list)}  # not bucket_width
+    return {
+        key: [decode_float(v) if key not in ("step", "skipped") else v for v in values]
+        for key, values in raw.items()
+        if isinstance(values, list)
+    }  # not bucket_width
 
 
 def _runs_by_name(api: httpx.Client) -> dict[str, dict]:
@@ -50,10 +53,15 @@ def _check_demo_runs(api: httpx.Client, checkpoint_dir) -> None:
     assert all(math.isfinite(v) for v in underflow["loss"])
     assert not any(underflow["skipped"])
     # ... while whole parameter tensors get exactly-zero gradients at every sample.
-    matrix = api.get(f"/api/v1/runs/{runs['demo-silent-underflow']['id']}/layers",
-                     params={"stat": "zero_fraction"}).json()
-    frozen = [name for i, name in enumerate(matrix["layers"])
-              if all(row[i] == 1.0 for row in matrix["values"])]
+    matrix = api.get(
+        f"/api/v1/runs/{runs['demo-silent-underflow']['id']}/layers",
+        params={"stat": "zero_fraction"},
+    ).json()
+    frozen = [
+        name
+        for i, name in enumerate(matrix["layers"])
+        if all(row[i] == 1.0 for row in matrix["values"])
+    ]
     assert "blocks.0.0.weight" in frozen and "head.weight" not in frozen
 
     # Divergence: the activation norm climbs first, then the scale collapses below 1.0.
@@ -67,7 +75,9 @@ def _check_demo_runs(api: httpx.Client, checkpoint_dir) -> None:
     assert max(collapse) > 3 * baseline  # the spike as the scale falls
     events = api.get(f"/api/v1/runs/{runs['demo-divergence']['id']}/events").json()["events"]
     checkpoints = [e for e in events if e["kind"] == "checkpoint"]
-    assert checkpoints and all(e["data"]["path"].startswith(str(checkpoint_dir)) for e in checkpoints)
+    assert checkpoints and all(
+        e["data"]["path"].startswith(str(checkpoint_dir)) for e in checkpoints
+    )
 
 
 def test_demo_command_starts_its_own_collector(tmp_path) -> None:
@@ -75,11 +85,14 @@ def test_demo_command_starts_its_own_collector(tmp_path) -> None:
     with bind_socket() as probe:
         unused_port = probe.getsockname()[1]
     database_url = f"sqlite:///{tmp_path / 'demo.db'}"
-    env = {**os.environ, "AMPWATCH_PORT": str(unused_port),
-           "AMPWATCH_DATABASE_URL": database_url}
+    env = {**os.environ, "AMPWATCH_PORT": str(unused_port), "AMPWATCH_DATABASE_URL": database_url}
     done = subprocess.run(
         [sys.executable, "-m", "ampwatch.server.cli", "demo", "--steps", "20", "--exit"],
-        env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path,
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        cwd=tmp_path,
     )
     assert done.returncode == 0, done.stderr
     assert f"http://127.0.0.1:{unused_port}/dashboard/" in done.stdout

@@ -54,8 +54,15 @@ def test_database_holds_what_the_training_loop_saw(live_collector) -> None:
     truth_skipped: list[bool] = []
     truth_scale: list[float] = []
     truth_zero: dict[int, dict[str, float]] = {}
-    with watch(model, optimizer, scaler, run="e2e", url=live_collector.url,
-               layer_stats_every=LAYER_STATS_EVERY, flush_interval=0.2) as handle:
+    with watch(
+        model,
+        optimizer,
+        scaler,
+        run="e2e",
+        url=live_collector.url,
+        layer_stats_every=LAYER_STATS_EVERY,
+        flush_interval=0.2,
+    ) as handle:
         for step in range(1, STEPS + 1):
             tokens = torch.randint(0, 64, (8, 16), generator=generator)
             with torch.autocast("cpu", dtype=torch.float16):
@@ -80,12 +87,12 @@ def test_database_holds_what_the_training_loop_saw(live_collector) -> None:
     assert sum(truth_skipped) >= len(FORCED_OVERFLOW_STEPS), "overflows were not forced"
 
     with httpx.Client(base_url=live_collector.url, timeout=10) as api:
-        _check_stored(api, live_collector.database_url, run_id, model, truth_skipped,
-                      truth_scale, truth_zero)
+        _check_stored(
+            api, live_collector.database_url, run_id, model, truth_skipped, truth_scale, truth_zero
+        )
 
 
-def _check_stored(api, database_url, run_id, model, truth_skipped, truth_scale,
-                  truth_zero) -> None:
+def _check_stored(api, database_url, run_id, model, truth_skipped, truth_scale, truth_zero) -> None:
     runs = api.get("/api/v1/runs").json()["runs"]
     run = next(r for r in runs if r["client_run_id"] == run_id)
     _wait_for(lambda: api.get(f"/api/v1/runs/{run['id']}").json()["status"] == "ended")
@@ -112,8 +119,7 @@ def _check_stored(api, database_url, run_id, model, truth_skipped, truth_scale,
     forced_losses = [series["loss"][s - 1] for s in sorted(FORCED_OVERFLOW_STEPS)]
     assert all(isinstance(v, float) and v > 1e29 for v in forced_losses)
 
-    matrix = api.get(f"/api/v1/runs/{run['id']}/layers",
-                     params={"stat": "zero_fraction"}).json()
+    matrix = api.get(f"/api/v1/runs/{run['id']}/layers", params={"stat": "zero_fraction"}).json()
     assert matrix["steps"] == sorted(truth_zero)
     assert matrix["layers"] == [name for name, _ in model.named_parameters()]
     for step, row in zip(matrix["steps"], matrix["values"]):

@@ -65,10 +65,16 @@ def assert_matches(stored: dict[str, Any], truth: Truth, *, rel: float = 1e-5) -
     count = len(truth.skipped)
     assert steps["step"] == list(range(1, count + 1))
     assert steps["skipped"] == truth.skipped
-    assert _mismatch(steps["loss_scale"], truth.loss_scale, 0.0) is None, _mismatch(steps["loss_scale"], truth.loss_scale, 0.0)
+    assert _mismatch(steps["loss_scale"], truth.loss_scale, 0.0) is None, _mismatch(
+        steps["loss_scale"], truth.loss_scale, 0.0
+    )
     assert _mismatch(steps["lr"], truth.lr, 1e-12) is None, _mismatch(steps["lr"], truth.lr, 1e-12)
-    assert _mismatch(steps["loss"], truth.loss, rel) is None, _mismatch(steps["loss"], truth.loss, rel)
-    assert _mismatch(steps["grad_norm"], truth.grad_norm, rel) is None, _mismatch(steps["grad_norm"], truth.grad_norm, rel)
+    assert _mismatch(steps["loss"], truth.loss, rel) is None, _mismatch(
+        steps["loss"], truth.loss, rel
+    )
+    assert _mismatch(steps["grad_norm"], truth.grad_norm, rel) is None, _mismatch(
+        steps["grad_norm"], truth.grad_norm, rel
+    )
     if truth.grad_norm_clipped:
         clipped = _mismatch(steps["grad_norm_clipped"], truth.grad_norm_clipped, rel)
         assert clipped is None, clipped

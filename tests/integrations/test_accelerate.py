@@ -58,15 +58,22 @@ def test_accelerate_loop_is_stored_exactly(case: str, live_collector) -> None:
     if precision == "fp16":  # what accelerate does on a GPU (see the module docstring)
         accelerator.scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16, growth_interval=20)
         accelerator.native_amp = True
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.01 * s))
     model, optimizer, schedule, loader = accelerator.prepare(
         model, optimizer, schedule, DataLoader(data, batch_size=8)
     )
     handle = watch(
-        model, optimizer, accelerator=accelerator, run=case, url=live_collector.url,
-        layer_stats_every=EVERY, flush_interval=0.05,
+        model,
+        optimizer,
+        accelerator=accelerator,
+        run=case,
+        url=live_collector.url,
+        layer_stats_every=EVERY,
+        flush_interval=0.05,
     )
     inner = optimizer.optimizer
     truth, micro, counters = Truth(), [], []
@@ -86,8 +93,7 @@ def test_accelerate_loop_is_stored_exactly(case: str, live_collector) -> None:
                 step = len(truth.lr)
                 if (step - 1) % EVERY == 0:
                     truth.zero_fraction[step] = {
-                        n: (p.grad == 0).double().mean().item()
-                        for n, p in model.named_parameters()
+                        n: (p.grad == 0).double().mean().item() for n, p in model.named_parameters()
                     }
                 truth.grad_norm.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
                 state = inner.state.get(inner.param_groups[0]["params"][0], {})

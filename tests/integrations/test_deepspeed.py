@@ -52,8 +52,13 @@ def process_group():
     with socket.socket() as sock:
         sock.bind(("127.0.0.1", 0))
         port = sock.getsockname()[1]
-    env = {"MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "RANK": "0",
-           "WORLD_SIZE": "1", "LOCAL_RANK": "0"}
+    env = {
+        "MASTER_ADDR": "127.0.0.1",
+        "MASTER_PORT": str(port),
+        "RANK": "0",
+        "WORLD_SIZE": "1",
+        "LOCAL_RANK": "0",
+    }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
     deepspeed.init_distributed(dist_backend="gloo")
@@ -80,7 +85,9 @@ def _full_grads(engine, stage: int) -> dict[str, torch.Tensor]:
 def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_collector) -> None:
     stage, precision, fused, accumulation, steps = CASES[case]
     torch.manual_seed(0)
-    model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4))
+    model = nn.Sequential(
+        nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 32), nn.ReLU(), nn.Linear(32, 4)
+    )
     optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3, fused=fused)
     schedule = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 1.0 / (1 + 0.01 * s))
     config = {
@@ -95,8 +102,9 @@ def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_colle
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=schedule, config=config
     )
-    handle = watch(engine, run=case, url=live_collector.url, layer_stats_every=EVERY,
-                   flush_interval=0.05)
+    handle = watch(
+        engine, run=case, url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
+    )
     dtype = next(engine.module.parameters()).dtype
     spikes = {3, 30, 31, 32, steps * accumulation - 5}
     factor = 1e6 if precision == "fp16" else float("inf")
@@ -122,7 +130,8 @@ def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_colle
             step = len(truth.lr)
             if (step - 1) % EVERY == 0:
                 truth.zero_fraction[step] = {
-                    n: (g == 0).double().mean().item() for n, g in _full_grads(engine, stage).items()
+                    n: (g == 0).double().mean().item()
+                    for n, g in _full_grads(engine, stage).items()
                 }
             counters.append(counter())
         skipped_before = engine.skipped_steps
@@ -149,8 +158,11 @@ def test_the_manual_api_example_records_one_step_per_boundary(process_group, liv
 
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
-    config = {"train_micro_batch_size_per_gpu": 8, "gradient_accumulation_steps": 4,
-              "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16}}
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "gradient_accumulation_steps": 4,
+        "fp16": {"enabled": True, "loss_scale": 0, "initial_scale_power": 16},
+    }
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), config=config
     )
@@ -166,8 +178,12 @@ def test_the_manual_api_example_records_one_step_per_boundary(process_group, liv
         scale, lr = engine.optimizer.loss_scale, engine.get_lr()[0]
         engine.step()
         if boundary:
-            handle.record(loss_scale=scale, lr=lr, skipped=not engine.was_step_applied(),
-                          grad_norm=engine.get_global_grad_norm())
+            handle.record(
+                loss_scale=scale,
+                lr=lr,
+                skipped=not engine.was_step_applied(),
+                grad_norm=engine.get_global_grad_norm(),
+            )
             skips.append(not engine.was_step_applied())
     handle.detach()
     steps = stored_run(live_collector.url, "manual")["steps"]

@@ -83,7 +83,9 @@ class TinyNet(LightningModule):
         state = optimizer.state.get(self.head.weight, {})
         self.counters.append(int(state["step"]) if "step" in state else 0)
 
-    def configure_gradient_clipping(self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None) -> None:
+    def configure_gradient_clipping(
+        self, optimizer, gradient_clip_val=None, gradient_clip_algorithm=None
+    ) -> None:
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)
         if gradient_clip_val:  # the norm of what Lightning's clip left
             grads = [p.grad for p in self.parameters() if p.grad is not None]
@@ -163,7 +165,10 @@ def test_the_lightning_overhead_bench_runs_a_quick_round() -> None:
     bench = Path(__file__).parents[2] / "bench" / "agent_overhead.py"
     result = subprocess.run(
         [sys.executable, str(bench), "--lightning", "--quick", "--sizes", "0.1M"],
-        capture_output=True, text=True, timeout=300, check=True,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=True,
     )
     assert "callback/plain  wall ratio median" in result.stdout
     assert "isolated: on_before_backward" in result.stdout
@@ -171,15 +176,22 @@ def test_the_lightning_overhead_bench_runs_a_quick_round() -> None:
 
 def _trainer(callback: AmpwatchCallback, steps: int, **kwargs) -> Trainer:
     return Trainer(
-        accelerator="cpu", devices=1, max_steps=steps, callbacks=[callback, *kwargs.pop("extra", [])],
-        logger=False, enable_progress_bar=False, enable_model_summary=False, **kwargs,
+        accelerator="cpu",
+        devices=1,
+        max_steps=steps,
+        callbacks=[callback, *kwargs.pop("extra", [])],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
     )
 
 
 def _loader(batches: int) -> DataLoader:
     torch.manual_seed(1)
-    return DataLoader(TensorDataset(torch.randn(batches * 8, 16), torch.randn(batches * 8, 4)),
-                      batch_size=8)
+    return DataLoader(
+        TensorDataset(torch.randn(batches * 8, 16), torch.randn(batches * 8, 4)), batch_size=8
+    )
 
 
 def test_a_resumed_fit_continues_the_run_and_a_failing_one_ends_it_failed(
@@ -210,8 +222,9 @@ def test_a_resumed_fit_continues_the_run_and_a_failing_one_ends_it_failed(
 
     failing = Failing(fused=False, spike_batches=set(), truth=Truth())
     with pytest.raises(RuntimeError, match="diverged"):
-        _trainer(AmpwatchCallback(run="failing", url=live_collector.url), 30,
-                 enable_checkpointing=False).fit(failing, _loader(40))
+        _trainer(
+            AmpwatchCallback(run="failing", url=live_collector.url), 30, enable_checkpointing=False
+        ).fit(failing, _loader(40))
     stored = stored_run(live_collector.url, "failing")
     assert stored["steps"]["step"] == list(range(1, 13))
     (end,) = [e for e in stored["events"] if e["kind"] == "run_end"]
@@ -254,7 +267,9 @@ class TwoOptimizers(LightningModule):
         opt_d, opt_g = self.optimizers()
         real, noise = batch[0], batch[1][:, :4].repeat(1, 2)
         fake = self.gen(noise)
-        loss_d = (F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean()).float()
+        loss_d = (
+            F.softplus(-self.disc(real)).mean() + F.softplus(self.disc(fake.detach())).mean()
+        ).float()
         if index in self.spike_batches:
             loss_d = loss_d * SPIKE
         self.manual_backward(loss_d)
@@ -268,7 +283,9 @@ class TwoOptimizers(LightningModule):
         truth.grad_norm.append(torch.nn.utils.get_total_norm(list(grads.values())).item())
         step = len(truth.lr)
         if (step - 1) % EVERY == 0:
-            truth.zero_fraction[step] = {n: (g == 0).double().mean().item() for n, g in grads.items()}
+            truth.zero_fraction[step] = {
+                n: (g == 0).double().mean().item() for n, g in grads.items()
+            }
         state = inner.state.get(self.disc[2].weight, {})
         self.counters.append(int(state["step"]) if "step" in state else 0)
         opt_d.step()
@@ -279,8 +296,10 @@ class TwoOptimizers(LightningModule):
         opt_g.zero_grad()
 
     def configure_optimizers(self) -> list:
-        return [torch.optim.AdamW(self.disc.parameters(), lr=2e-4),
-                torch.optim.AdamW(self.gen.parameters(), lr=1e-3)]
+        return [
+            torch.optim.AdamW(self.disc.parameters(), lr=2e-4),
+            torch.optim.AdamW(self.gen.parameters(), lr=1e-3),
+        ]
 
 
 def test_several_optimizers_record_the_first_ones_step(live_collector) -> None:
@@ -297,8 +316,9 @@ def test_several_optimizers_record_the_first_ones_step(live_collector) -> None:
         run="two-optimizers", url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
     )
     # max_steps counts Lightning's global_step: every optimizer's steps, 2 per batch here
-    _trainer(callback, 2 * batches, precision="bf16-mixed", enable_checkpointing=False,
-             max_epochs=1).fit(model, _loader(batches))
+    _trainer(
+        callback, 2 * batches, precision="bf16-mixed", enable_checkpointing=False, max_epochs=1
+    ).fit(model, _loader(batches))
     assert model.trainer.global_step == 2 * batches
     final = int(model.optimizers()[0].optimizer.state[model.disc[2].weight]["step"])
     counters = [*model.counters[1:], final]
@@ -324,8 +344,14 @@ def test_ddp_rank0_sends_the_steps_and_every_rank_its_layer_statistics(
     ground truth step by step; rank 1 sends no step records, only its layer statistics,
     which match what its own hook saw (DDP's all-reduced gradients)."""
     script = Path(__file__).with_name("lightning_ddp_run.py")
-    subprocess.run([sys.executable, str(script), live_collector.url, str(tmp_path)],
-                   cwd=script.parent, capture_output=True, text=True, timeout=240, check=True)
+    subprocess.run(
+        [sys.executable, str(script), live_collector.url, str(tmp_path)],
+        cwd=script.parent,
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=True,
+    )
     truths = {}
     for rank in (0, 1):
         raw = json.loads((tmp_path / f"rank{rank}.json").read_text())
@@ -351,7 +377,9 @@ class SometimesNone(TinyNet):
 
     none_batches = frozenset({10, 11, 30})
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], index: int) -> torch.Tensor | None:
+    def training_step(
+        self, batch: tuple[torch.Tensor, torch.Tensor], index: int
+    ) -> torch.Tensor | None:
         loss = super().training_step(batch, index)
         if index in self.none_batches:
             self.micro_losses.pop()
@@ -378,8 +406,12 @@ def test_a_step_returning_none_keeps_lightnings_numbering(live_collector) -> Non
     callback = AmpwatchCallback(
         run="returns-none", url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05
     )
-    _trainer(callback, steps, plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
-             enable_checkpointing=False).fit(model, _loader(steps))
+    _trainer(
+        callback,
+        steps,
+        plugins=[MixedPrecision("16-mixed", "cpu", scaler=scaler)],
+        enable_checkpointing=False,
+    ).fit(model, _loader(steps))
     final = int(model.trainer.optimizers[0].state[model.head.weight]["step"])
     counters = [*model.counters[1:], final]
     truth.skipped = [after == before for before, after in zip(model.counters, counters)]

@@ -65,7 +65,8 @@ class Truths(TrainerCallback):
         if (step - 1) % EVERY == 0:
             self.truth.zero_fraction[step] = {
                 n: (p.grad == 0).double().mean().item()
-                for n, p in model.named_parameters() if p.grad is not None
+                for n, p in model.named_parameters()
+                if p.grad is not None
             }
         state_of = inner.state.get(inner.param_groups[0]["params"][0], {})
         self.counters.append(int(state_of["step"]) if "step" in state_of else 0)
@@ -89,11 +90,22 @@ def test_hf_trainer_is_stored_exactly(case: str, live_collector, tmp_path) -> No
     tokens = torch.randint(0, 64, (steps * accumulation * 4, 16))
     data = [{"input_ids": t, "labels": t} for t in tokens]
     args = TrainingArguments(
-        output_dir=str(tmp_path), per_device_train_batch_size=4,
-        gradient_accumulation_steps=accumulation, max_steps=steps, learning_rate=1e-3,
-        lr_scheduler_type="linear", logging_steps=1, report_to=[], save_strategy="no",
-        bf16=precision == "bf16", fp16=precision == "fp16", use_cpu=True, max_grad_norm=1.0, disable_tqdm=True,
-        optim="adamw_torch_fused" if fused else "adamw_torch", dataloader_num_workers=0,
+        output_dir=str(tmp_path),
+        per_device_train_batch_size=4,
+        gradient_accumulation_steps=accumulation,
+        max_steps=steps,
+        learning_rate=1e-3,
+        lr_scheduler_type="linear",
+        logging_steps=1,
+        report_to=[],
+        save_strategy="no",
+        bf16=precision == "bf16",
+        fp16=precision == "fp16",
+        use_cpu=True,
+        max_grad_norm=1.0,
+        disable_tqdm=True,
+        optim="adamw_torch_fused" if fused else "adamw_torch",
+        dataloader_num_workers=0,
     )
     callback = AmpwatchCallback(
         run=case, url=live_collector.url, layer_stats_every=EVERY, flush_interval=0.05

@@ -93,8 +93,9 @@ def stored_run(rows: Any, client_run_id: str) -> dict[str, Any]:
     ):
         seqs.setdefault(stream, []).append(seq)
     dropped = rows.rows(
-        select(Run.dropped_steps, Run.dropped_layer_stats, Run.dropped_events)
-        .where(Run.id == run_id)
+        select(Run.dropped_steps, Run.dropped_layer_stats, Run.dropped_events).where(
+            Run.id == run_id
+        )
     )[0]
     return {
         "run_id": run_id,

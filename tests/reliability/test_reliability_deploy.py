@@ -203,8 +203,10 @@ def test_hand_run_deployment_two_workers_dashboard_and_an_agent(
     trainer.train(STEPS_DEFAULT)
     handle.detach(timeout=30)
     wait_for(
-        lambda: rows.scalar(select(Run.status).where(Run.client_run_id == handle.client_run_id))
-        == "ended",
+        lambda: (
+            rows.scalar(select(Run.status).where(Run.client_run_id == handle.client_run_id))
+            == "ended"
+        ),
         what="run end",
     )
     assert handle.counters["batches_sent"] >= 2 and handle.counters["send_failures"] == 0

@@ -55,7 +55,8 @@ def _stored_events(rows: RowCounter, client_run_id: str) -> dict[str, Any]:
                 select(Event.kind, Event.step).where(Event.run_id == run).order_by(Event.id)
             ).all(),
             "seqs": connection.scalars(
-                select(IngestedBatch.seq).where(IngestedBatch.run_id == run)
+                select(IngestedBatch.seq)
+                .where(IngestedBatch.run_id == run)
                 .order_by(IngestedBatch.received_at, IngestedBatch.seq)
             ).all(),
         }
@@ -190,9 +191,7 @@ def _stored_batches(rows: RowCounter) -> set[tuple[str, int]]:
     return {
         (run, seq)
         for run, seq in rows.rows(
-            select(Run.client_run_id, IngestedBatch.seq).join(
-                Run, Run.id == IngestedBatch.run_id
-            )
+            select(Run.client_run_id, IngestedBatch.seq).join(Run, Run.id == IngestedBatch.run_id)
         )
     }
 
@@ -277,8 +276,10 @@ def test_faulty_collector_bounded_agent_memory_counted_drops(
             wait_for(lambda: _run_ended(rows, handle.client_run_id), timeout=60, what="run end")
         except AssertionError as error:
             # Seen once in a full-suite run, never alone: say what the collector holds.
-            raise AssertionError(f"{error}: {handle.counters}, proxy {proxy.seen}, stored "
-                                 f"{_stored_events(rows, handle.client_run_id)}") from None
+            raise AssertionError(
+                f"{error}: {handle.counters}, proxy {proxy.seen}, stored "
+                f"{_stored_events(rows, handle.client_run_id)}"
+            ) from None
 
     counters = handle.counters
     assert counters["hook_errors"] == 0

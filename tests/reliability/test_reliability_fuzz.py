@@ -80,9 +80,13 @@ def valid_batch(client_run_id: str, project: str = "vision", seq: int = 0) -> di
             for s in range(1, 4)
         ],
         "layer_stats": [
-            {"step": 1, "rank": 0, "names": names,
-             "stats": {stat: [0.25, 0.5, 0.75] for stat in LAYER_STATS}}
-        ],  # fmt: skip
+            {
+                "step": 1,
+                "rank": 0,
+                "names": names,
+                "stats": {stat: [0.25, 0.5, 0.75] for stat in LAYER_STATS},
+            }
+        ],
         "events": [{"kind": "run_start", "step": 0, "time": 1.7e9, "data": {"x": 1.0}}],
         "dropped": {"steps": 0, "layer_stats": 0, "events": 0},
     }

@@ -46,10 +46,22 @@ def batch(owner: dict[str, str], seq: int = 0, *, project: bool = True) -> dict[
         "stream": "5ec",
         "seq": seq,
         "steps": [{"step": 1, "rank": 0, "skipped": False, "loss": 1.0, "loss_scale": 2.0}],
-        "layer_stats": [{"step": 1, "rank": 0, "names": [owner["layer"]],
-                         "stats": {stat: [0.5] for stat in LAYER_STATS}}],  # fmt: skip
-        "events": [{"kind": "checkpoint", "step": 1, "time": 1.7e9,
-                    "data": {"path": f"/ckpt/{owner['run']}.pt"}}],  # fmt: skip
+        "layer_stats": [
+            {
+                "step": 1,
+                "rank": 0,
+                "names": [owner["layer"]],
+                "stats": {stat: [0.5] for stat in LAYER_STATS},
+            }
+        ],
+        "events": [
+            {
+                "kind": "checkpoint",
+                "step": 1,
+                "time": 1.7e9,
+                "data": {"path": f"/ckpt/{owner['run']}.pt"},
+            }
+        ],
         "dropped": {"steps": 0, "layer_stats": 0, "events": 0},
     }
 
@@ -324,9 +336,7 @@ def test_cors_is_closed_by_default_and_opens_only_to_named_origins(
             f"{live.url}/api/v1/runs", headers={"Origin": "https://evil.example"}, timeout=10
         )
         assert "access-control-allow-origin" not in simple.headers
-    with start_collector(
-        sqlite_url, dashboard=False, cors_origins=["https://ops.example"]
-    ) as live:
+    with start_collector(sqlite_url, dashboard=False, cors_origins=["https://ops.example"]) as live:
         evil = httpx.options(f"{live.url}/api/v1/runs", headers=preflight, timeout=10)
         assert evil.headers.get("access-control-allow-origin") != "https://evil.example"
         ok = httpx.options(
@@ -350,8 +360,7 @@ def _dash_request(dependency: dict[str, Any]) -> dict[str, Any] | None:
 
     def values(items: list[dict[str, Any]]) -> list[dict[str, Any]]:
         return [
-            {**item, "value": 1 if item["property"] == "n_intervals" else None}
-            for item in items
+            {**item, "value": 1 if item["property"] == "n_intervals" else None} for item in items
         ]
 
     inputs = values(dependency["inputs"])

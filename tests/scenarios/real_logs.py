@@ -78,8 +78,11 @@ class Label:
 
 _NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
 _OVERFLOW = re.compile(
-    r"OVERFLOW! Rank 0 Skipping step\. Attempted loss scale: " + _NUMBER
-    + r"(?:, reducing to " + _NUMBER + r"|, but hysteresis)"
+    r"OVERFLOW! Rank 0 Skipping step\. Attempted loss scale: "
+    + _NUMBER
+    + r"(?:, reducing to "
+    + _NUMBER
+    + r"|, but hysteresis)"
 )
 
 
@@ -115,8 +118,13 @@ def _megatron(lines: list[str]) -> list[Step]:
         if attempted is not None:
             step.skipped, step.loss_scale, step.grad_norm = True, attempted, None
             attempted = None
-        elif (steps and steps[-1].step == step.step - 1 and logged is not None
-              and previous is not None and logged < previous):
+        elif (
+            steps
+            and steps[-1].step == step.step - 1
+            and logged is not None
+            and previous is not None
+            and logged < previous
+        ):
             # A scale logged lower than the previous iteration's: DeepSpeed halved it on
             # an overflow of this iteration (inference; its OVERFLOW line is not excerpted).
             step.skipped, step.loss_scale, step.grad_norm = True, previous, None
@@ -522,7 +530,9 @@ class Verdict:
         picked = (self.advisor.get("recommended") or {}).get("step")
         if picked is None:
             return []
-        bad = [s.step for s in self.excerpt.steps if s.loss is not None and not math.isfinite(s.loss)]
+        bad = [
+            s.step for s in self.excerpt.steps if s.loss is not None and not math.isfinite(s.loss)
+        ]
         problems = []
         if self.label.deadline_step is not None and picked >= self.label.deadline_step:
             problems.append(f"advisor picked {picked}, at or after the deadline")

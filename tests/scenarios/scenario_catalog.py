@@ -162,8 +162,16 @@ def train(scenario: Scenario, url: str, checkpoint_dir: Path, *, seed: int = 0) 
         return None
 
     model.emb.register_forward_hook(nan_hook)
-    with watch(model, optimizer, scaler, run=scenario.name, project="scenarios", url=url,
-               layer_stats_every=LAYER_STATS_EVERY, flush_interval=0.2) as handle:
+    with watch(
+        model,
+        optimizer,
+        scaler,
+        run=scenario.name,
+        project="scenarios",
+        url=url,
+        layer_stats_every=LAYER_STATS_EVERY,
+        flush_interval=0.2,
+    ) as handle:
         for step in range(1, k.steps + 1):
             tokens, targets = next(data)
             for group in optimizer.param_groups:
@@ -273,8 +281,9 @@ def observe(api: httpx.Client, client_run_id: str, steps: int) -> Observed:
         assert matrix["step_width"] == 1 and matrix["layer_width"] == 1, matrix
     events = api.get(f"/api/v1/runs/{rid}/events").json()["events"]
     checkpoints = api.get(f"/api/v1/runs/{rid}/checkpoints").json()["checkpoints"]
-    return Observed(run, series, layers["zero_fraction"], layers["flush_fraction"], events,
-                    checkpoints)
+    return Observed(
+        run, series, layers["zero_fraction"], layers["flush_fraction"], events, checkpoints
+    )
 
 
 # --- ground truth -------------------------------------------------------------------------
@@ -294,7 +303,7 @@ def precursor_step(obs: Observed) -> int | None:
     near, far = BASELINE_LAG
 
     def baseline(i: int) -> float | None:
-        window = [a for a in act[max(i - far, 0): max(i - near, 0)] if math.isfinite(a)]
+        window = [a for a in act[max(i - far, 0) : max(i - near, 0)] if math.isfinite(a)]
         return statistics.median(window) if len(window) == far - near else None
 
     def above(i: int, factor: float, base: float) -> bool:
@@ -474,18 +483,24 @@ def check_divergence(obs: Observed, label: Label) -> list[str]:
                 f"collapse {label.collapse_step} out of order"
             )
     if label.precursor_step is not None and label.precursor_step <= BLOWUP_FROM:
-        problems.append(f"precursor at {label.precursor_step}, before its cause (the lr ramp "
-                        f"from step {BLOWUP_FROM})")
+        problems.append(
+            f"precursor at {label.precursor_step}, before its cause (the lr ramp "
+            f"from step {BLOWUP_FROM})"
+        )
     before_cause = [c["step"] for c in obs.checkpoints if c["step"] <= BLOWUP_FROM]
     if label.healthy_checkpoint != max(before_cause, default=None):
-        problems.append(f"the data-derived healthy checkpoint {label.healthy_checkpoint} is not "
-                        f"the last one before the lr ramp ({max(before_cause, default=None)})")
+        problems.append(
+            f"the data-derived healthy checkpoint {label.healthy_checkpoint} is not "
+            f"the last one before the lr ramp ({max(before_cause, default=None)})"
+        )
     if label.healthy_checkpoint is None:
         problems.append("no checkpoint qualifies as the healthy restart point")
     elif not any(c["step"] > label.healthy_checkpoint and scale_at(obs, c["step"]) >= 1.0
                  for c in obs.checkpoints):  # fmt: skip
-        problems.append("no later checkpoint with a scale >= 1.0: picking the labeled one "
-                        "would not test the precursor margin")
+        problems.append(
+            "no later checkpoint with a scale >= 1.0: picking the labeled one "
+            "would not test the precursor margin"
+        )
     return problems
 
 
@@ -579,8 +594,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         Knobs(scaler=None, loss_divisor=(UNDERFLOW_ONSET, UNDERFLOW_DIVISOR)),
         Label(
             must_fire=frozenset({"fp16_without_scaler", "silent_underflow"}),
-            must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
-                                     "skip_rate", "clip_before_unscale", "no_data"}),
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "nan_loss",
+                    "scale_floor_stall",
+                    "skip_rate",
+                    "clip_before_unscale",
+                    "no_data",
+                }
+            ),
             may_fire=frozenset({"underflow_risk"}),
         ),
         check_fp16_no_scaler,
@@ -593,8 +616,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         Knobs(scaler=None, loss_divisor=(DRIFT_ONSET, 1.0), loss_divisor_growth=DRIFT_GROWTH),
         Label(
             must_fire=frozenset({"fp16_without_scaler", "underflow_risk", "silent_underflow"}),
-            must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
-                                     "skip_rate", "clip_before_unscale", "no_data"}),
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "nan_loss",
+                    "scale_floor_stall",
+                    "skip_rate",
+                    "clip_before_unscale",
+                    "no_data",
+                }
+            ),
             may_fire=frozenset({"grad_norm_spike", "loss_spike"}),
             forecast_before_freeze=True,
         ),
@@ -604,13 +635,20 @@ SCENARIOS: tuple[Scenario, ...] = (
         "static_scale_too_small",
         "FP16 + a GradScaler pinned at 4.0 (growth_interval 10^9) while the loss is divided "
         "by a global token count of 2^16: the scale is far too small, grads flush to zero",
-        Knobs(scaler={"init_scale": 4.0, "growth_interval": 10**9},
-              loss_divisor=(1, 2.0**16)),
+        Knobs(scaler={"init_scale": 4.0, "growth_interval": 10**9}, loss_divisor=(1, 2.0**16)),
         Label(
             must_fire=frozenset({"underflow_risk", "silent_underflow"}),
-            must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
-                                     "skip_rate", "fp16_without_scaler",
-                                     "clip_before_unscale", "no_data"}),
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "nan_loss",
+                    "scale_floor_stall",
+                    "skip_rate",
+                    "fp16_without_scaler",
+                    "clip_before_unscale",
+                    "no_data",
+                }
+            ),
         ),
         check_static_scale,
     ),
@@ -618,15 +656,28 @@ SCENARIOS: tuple[Scenario, ...] = (
         "lr_blowup_collapse",
         "FP16 + scaler, lr x1.08 per step: the final-layer activation norm rises, then every "
         "step overflows and the scale halves toward zero (OPT-175B); checkpoints every 20",
-        Knobs(steps=200, scaler={"init_scale": 2.0**16, "growth_interval": 50},
-              lr_growth=1.2, lr_growth_from=BLOWUP_FROM, checkpoint_every=20),
+        Knobs(
+            steps=200,
+            scaler={"init_scale": 2.0**16, "growth_interval": 50},
+            lr_growth=1.2,
+            lr_growth_from=BLOWUP_FROM,
+            checkpoint_every=20,
+        ),
         Label(
             must_fire=frozenset({"activation_norm_spike", "loss_scale_collapse"}),
-            must_not_fire=frozenset({"fp16_without_scaler", "clip_before_unscale", "no_data",
-                                     "silent_underflow", "underflow_risk"}),
+            must_not_fire=frozenset(
+                {
+                    "fp16_without_scaler",
+                    "clip_before_unscale",
+                    "no_data",
+                    "silent_underflow",
+                    "underflow_risk",
+                }
+            ),
             # The overflow storm and the loss / grad-norm spikes are this incident's too.
-            may_fire=frozenset({"skip_rate", "nan_loss", "overflow_burst", "loss_spike",
-                                "grad_norm_spike"}),
+            may_fire=frozenset(
+                {"skip_rate", "nan_loss", "overflow_burst", "loss_spike", "grad_norm_spike"}
+            ),
             collapse_before_floor=True,
             check_advisor=True,
         ),
@@ -637,9 +688,19 @@ SCENARIOS: tuple[Scenario, ...] = (
         f"healthy FP16 + scaler; the loss is multiplied by 1e30 once (step "
         f"{TRANSIENT_STEPS[0]}): one skipped step, one halving",
         Knobs(overflow_steps=frozenset(TRANSIENT_STEPS)),
-        Label(must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
-                                       "silent_underflow", "fp16_without_scaler",
-                                       "clip_before_unscale", "no_data"})),
+        Label(
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "nan_loss",
+                    "scale_floor_stall",
+                    "silent_underflow",
+                    "fp16_without_scaler",
+                    "clip_before_unscale",
+                    "no_data",
+                }
+            )
+        ),
         check_transient,
     ),
     Scenario(
@@ -648,8 +709,15 @@ SCENARIOS: tuple[Scenario, ...] = (
         Knobs(clip_scaled=True),
         Label(
             must_fire=frozenset({"clip_before_unscale"}),
-            must_not_fire=frozenset({"loss_scale_collapse", "nan_loss", "scale_floor_stall",
-                                     "fp16_without_scaler", "no_data"}),
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "nan_loss",
+                    "scale_floor_stall",
+                    "fp16_without_scaler",
+                    "no_data",
+                }
+            ),
         ),
         check_clip,
     ),
@@ -659,9 +727,16 @@ SCENARIOS: tuple[Scenario, ...] = (
         Knobs(nan_steps=frozenset(NAN_STEPS)),
         Label(
             must_fire=frozenset({"nan_loss"}),
-            must_not_fire=frozenset({"loss_scale_collapse", "scale_floor_stall",
-                                     "silent_underflow", "fp16_without_scaler",
-                                     "clip_before_unscale", "no_data"}),
+            must_not_fire=frozenset(
+                {
+                    "loss_scale_collapse",
+                    "scale_floor_stall",
+                    "silent_underflow",
+                    "fp16_without_scaler",
+                    "clip_before_unscale",
+                    "no_data",
+                }
+            ),
             may_fire=frozenset({"skip_rate"}),
         ),
         check_nan,

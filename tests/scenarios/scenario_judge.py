@@ -97,8 +97,9 @@ def _get_optional(api: httpx.Client, path: str) -> Any | None:
     return response.json()
 
 
-def read_alerts(api: httpx.Client, run_id: str, settle: float = 0.5,
-                timeout: float = 10.0) -> list[dict[str, Any]] | None:
+def read_alerts(
+    api: httpx.Client, run_id: str, settle: float = 0.5, timeout: float = 10.0
+) -> list[dict[str, Any]] | None:
     """The run's alerts once two reads `settle` seconds apart agree (an engine evaluating
     on a background worker may still be catching up with the last batch)."""
     path = f"/api/v1/runs/{run_id}/alerts"
@@ -124,8 +125,9 @@ def run_scenario(scenario: Scenario, url: str, workdir: Path) -> Outcome:
     with httpx.Client(base_url=url, timeout=30) as api:
         obs = observe(api, client_run_id, scenario.knobs.steps)
         label = ground_truth(scenario, obs)
-        outcome = Outcome(scenario, label, obs, scenario.check_signals(obs, label),
-                          train_seconds=seconds)
+        outcome = Outcome(
+            scenario, label, obs, scenario.check_signals(obs, label), train_seconds=seconds
+        )
         outcome.alerts = read_alerts(api, obs.run_id)
         if outcome.alerts is not None:
             outcome.advisor = _get_optional(api, f"/api/v1/runs/{obs.run_id}/restart-candidates")

@@ -83,8 +83,6 @@ def test_the_peer_rules_fire_where_their_definitions_say() -> None:
     assert set(PEERS) >= {"megatron_10x_first100", "olmo_6sigma_128", "lightning_spike"}
 
 
-
-
 @pytest.mark.parametrize("case", CASES, ids=[excerpt.name for excerpt, _ in CASES])
 def test_replay(case, live_collector) -> None:  # type: ignore[no-untyped-def]
     excerpt, label = case

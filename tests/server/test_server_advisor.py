@@ -377,7 +377,8 @@ def test_the_recommendation_names_the_data_to_skip(client: httpx.Client, crash_r
     assert (skip["start"], skip["end"]) == (101, 152 + 20)
     assert "onset at step 152 (activation_norm_spike)" in skip["reason"]
     assert "skip data: steps 101-172 (the batches from the checkpoint" in (
-        format_restart_candidates(answer))
+        format_restart_candidates(answer)
+    )
 
 
 def test_never_a_checkpoint_at_or_after_the_first_non_finite_loss(

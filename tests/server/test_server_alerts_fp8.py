@@ -51,8 +51,7 @@ def test_fp8_risk_fires_for_the_layer_per_tensor_scaling_flushes(
     assert values["score"] == pytest.approx(values["value"] / 0.01)
     assert values["role_scores"]["act"] <= 1  # its input is ordinary: the weight fails
     assert alert.message.startswith(
-        "layer 2.weight: under the declared FP8 recipe per_tensor, its weight (E4M3, "
-        "per-tensor): 9"
+        "layer 2.weight: under the declared FP8 recipe per_tensor, its weight (E4M3, per-tensor): 9"
     )
     assert "would flush to zero (limit 1.0%" in alert.message
     # The ordinary layer fits: no alert, and its count of failing samples stays 0.

@@ -259,8 +259,12 @@ def test_alerts_do_not_depend_on_how_batches_were_cut(feed: Feed) -> None:
                            for a in run.alerts()))  # fmt: skip
     assert seen[0] == seen[1] == seen[2], seen
     rules = {(rule, layer) for rule, layer, *_ in seen[0]}
-    assert rules == {("activation_norm_spike", ""), ("underflow_risk", "emb.weight"),
-                     ("silent_underflow", "fc1.weight"), ("silent_underflow", "norm.weight")}
+    assert rules == {
+        ("activation_norm_spike", ""),
+        ("underflow_risk", "emb.weight"),
+        ("silent_underflow", "fc1.weight"),
+        ("silent_underflow", "norm.weight"),
+    }
 
 
 def layer_batch(feed: Feed, start: int, zero: dict[str, float]) -> None:

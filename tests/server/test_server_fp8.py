@@ -36,9 +36,9 @@ def test_outlier_channels_need_finer_scaling_and_a_plain_layer_fits_every_recipe
     weight = worst["measures"]["weight"]
     assert weight["e4m3_tensor"]["flush"] > 0.9  # per-tensor: most of the layer flushes
     assert weight["e4m3_tile"]["flush"] == 0.0  # 1x128 tiles: nothing does
-    assert worst["recipes"]["per_tensor"]["roles"]["weight"]["flush"] == weight["e4m3_tensor"][
-        "flush"
-    ]
+    assert (
+        worst["recipes"]["per_tensor"]["roles"]["weight"]["flush"] == weight["e4m3_tensor"]["flush"]
+    )
     assert worst["spread"]["weight"]["tile"] > 20  # the tiles' scales span 2^22
     assert set(worst["fits_with"]) == {"tile_1x128", "mxfp8"}  # 128x128 blocks hold outliers
     assert worst["reason"].startswith("per-tensor E4M3: weight flush 9")

@@ -81,9 +81,13 @@ def test_deeply_nested_bodies_are_422(client: httpx.Client, run_id: int) -> None
             '{"wire_version": 1, "x": ' + "[" * depth + "]" * depth + "}")  # fmt: skip
         _assert_clear_4xx(client.post(INGEST_PATH, content=body), 422)
         nested = '{"rules": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
-        for path in (f"/api/v1/runs/{run_id}/alert-config", "/api/v1/projects/default/alert-config"):
-            _assert_clear_4xx(client.put(path, content=nested,
-                                         headers={"Content-Type": "application/json"}), 422)
+        for path in (
+            f"/api/v1/runs/{run_id}/alert-config",
+            "/api/v1/projects/default/alert-config",
+        ):
+            _assert_clear_4xx(
+                client.put(path, content=nested, headers={"Content-Type": "application/json"}), 422
+            )
     # Nothing stored broke the reads that render events and alerts.
     for path in (f"/api/v1/runs/{run_id}/events", "/api/v1/alerts", f"/api/v1/runs/{run_id}"):
         assert client.get(path).status_code == 200
@@ -100,9 +104,16 @@ def test_the_largest_step_numbers_are_stored_or_refused_never_500(
         assert answer.status_code == (200 if step <= MAX_STEP else 422), answer.text
         if answer.status_code == 200:
             run = answer.json()["run_id"]
-            for path in ("", "/steps", "/layers", "/layers/w/series", "/checkpoints",
-                         f"/steps?start={step}&end={MAX_BIGINT}", "/restart-candidates",
-                         f"/restart-candidates?margin_steps={MAX_STEP}"):
+            for path in (
+                "",
+                "/steps",
+                "/layers",
+                "/layers/w/series",
+                "/checkpoints",
+                f"/steps?start={step}&end={MAX_BIGINT}",
+                "/restart-candidates",
+                f"/restart-candidates?margin_steps={MAX_STEP}",
+            ):
                 read = client.get(f"/api/v1/runs/{run}{path}")
                 assert read.status_code in (200, 422), (path, read.text[:300])
     for query in (f"start={MAX_BIGINT}", f"end={MAX_BIGINT}", f"start=0&end={MAX_BIGINT + 1}"):

@@ -198,7 +198,10 @@ def test_duplicate_batch_is_acknowledged_and_changes_nothing(
     again = post(client, batch)
     assert again.status_code == 200
     assert again.json() == {
-        "run_id": first["run_id"], "stream": "5eed", "seq": 0, "duplicate": True
+        "run_id": first["run_id"],
+        "stream": "5eed",
+        "seq": 0,
+        "duplicate": True,
     }
     assert count_rows() == counts
     assert data_rows(count_rows) == {

@@ -65,24 +65,34 @@ def test_0006_counts_the_steps_of_existing_rollups(db_url: str) -> None:
     engine = make_engine(db_url)
     try:
         with engine.begin() as connection:
-            connection.execute(text(
-                "INSERT INTO runs (id, client_run_id, name, project, status, created_at,"
-                " last_seen_at, dropped_steps, dropped_layer_stats, dropped_events, health)"
-                " VALUES (1, 'r', 'r', 'default', 'running', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP,"
-                " 0, 0, 0, 'ok')"))
+            connection.execute(
+                text(
+                    "INSERT INTO runs (id, client_run_id, name, project, status, created_at,"
+                    " last_seen_at, dropped_steps, dropped_layer_stats, dropped_events, health)"
+                    " VALUES (1, 'r', 'r', 'default', 'running', CURRENT_TIMESTAMP, CURRENT_TIMESTAMP,"
+                    " 0, 0, 0, 'ok')"
+                )
+            )
             for step in (1, 2, 5, 70):  # two buckets: 3 steps in [0, 63], 1 in [64, 127]
-                connection.execute(text(
-                    "INSERT INTO steps (run_id, rank, step, skipped) VALUES (1, 0, :s, false)"),
-                    {"s": step})
+                connection.execute(
+                    text(
+                        "INSERT INTO steps (run_id, rank, step, skipped) VALUES (1, 0, :s, false)"
+                    ),
+                    {"s": step},
+                )
             for start, first, last in ((0, 1, 5), (64, 70, 70)):
-                connection.execute(text(
-                    "INSERT INTO step_rollups (run_id, rank, bucket_start, first_step,"
-                    " last_step, skipped_count) VALUES (1, 0, :b, :f, :l, 0)"),
-                    {"b": start, "f": first, "l": last})
+                connection.execute(
+                    text(
+                        "INSERT INTO step_rollups (run_id, rank, bucket_start, first_step,"
+                        " last_step, skipped_count) VALUES (1, 0, :b, :f, :l, 0)"
+                    ),
+                    {"b": start, "f": first, "l": last},
+                )
         migrate.upgrade(db_url)
         with engine.connect() as connection:
-            counts = connection.execute(text(
-                "SELECT bucket_start, step_count FROM step_rollups ORDER BY bucket_start"))
+            counts = connection.execute(
+                text("SELECT bucket_start, step_count FROM step_rollups ORDER BY bucket_start")
+            )
             assert [tuple(row) for row in counts] == [(0, 3), (64, 1)]
     finally:
         engine.dispose()

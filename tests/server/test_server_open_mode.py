@@ -42,7 +42,9 @@ def _runs(live: Any) -> int:
 def test_a_cross_origin_text_plain_ingest_is_refused(open_collector: Any) -> None:
     """What a page of another origin sends with fetch(..., {mode: "no-cors"}): a simple
     request, no preflight, and an Origin header the page cannot leave out."""
-    answer = _ingest(open_collector, **{"Content-Type": "text/plain", "Origin": "http://evil.example"})
+    answer = _ingest(
+        open_collector, **{"Content-Type": "text/plain", "Origin": "http://evil.example"}
+    )
     assert answer.status_code == 403 and "another site" in answer.json()["detail"]
     for origin in ("null", "http://localhost:1", open_collector.url.replace("127.0.0.1", "[::1]")):
         assert _ingest(open_collector, Origin=origin).status_code == 403, origin

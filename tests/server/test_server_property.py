@@ -79,7 +79,8 @@ def batches(draw: st.DrawFn) -> dict[str, Any]:
         if draw(st.booleans()):
             modules = draw(st.lists(st.sampled_from(MODULE_NAMES), min_size=1, unique=True))
             record["activations"] = {
-                "names": modules, "max_abs": [draw(finite_or_marker) for _ in modules]
+                "names": modules,
+                "max_abs": [draw(finite_or_marker) for _ in modules],
             }
         layer_stats.append(record)
     events = [

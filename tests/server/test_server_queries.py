@@ -178,12 +178,19 @@ def test_layer_reads_keep_nan_inf_missing_and_windows(client: httpx.Client) -> N
     through a binary cursor): every cell comes back bit-exact, NaN and +-Inf as strings,
     a layer absent from a record (and the short rows written before it appeared) as null,
     and start/end windows are inclusive."""
-    first = {"step": 10, "rank": 0, "names": ["a", "b"],
-             "stats": {"zero_fraction": [0.1, "NaN"]}}
-    second = {"step": 20, "rank": 0, "names": ["a", "c"],
-              "stats": {"zero_fraction": ["Infinity", 5e-324]}}
-    third = {"step": 30, "rank": 0, "names": ["b", "c"],
-             "stats": {"zero_fraction": ["-Infinity", 1.0000000000000002]}}
+    first = {"step": 10, "rank": 0, "names": ["a", "b"], "stats": {"zero_fraction": [0.1, "NaN"]}}
+    second = {
+        "step": 20,
+        "rank": 0,
+        "names": ["a", "c"],
+        "stats": {"zero_fraction": ["Infinity", 5e-324]},
+    }
+    third = {
+        "step": 30,
+        "rank": 0,
+        "names": ["b", "c"],
+        "stats": {"zero_fraction": ["-Infinity", 1.0000000000000002]},
+    }
     batch = make_batch(0, layer_stats=[first, second, third])
     run_id = post(client, batch).json()["run_id"]
     base = f"/api/v1/runs/{run_id}"
@@ -215,8 +222,11 @@ def test_histograms_at_a_step_and_over_steps(client: httpx.Client) -> None:
         "stats": {"zero_fraction": [0.0, 0.5]},
         "exponent_histograms": {"offsets": [100, 0], "counts": [[3, 0, 2**40], [7]]},
     }  # fmt: skip
-    later = {**record, "step": 20, "exponent_histograms": {"offsets": [90, 255],
-                                                           "counts": [[1], [2]]}}
+    later = {
+        **record,
+        "step": 20,
+        "exponent_histograms": {"offsets": [90, 255], "counts": [[1], [2]]},
+    }
     run_id = post(client, make_batch(0, layer_stats=[record, later])).json()["run_id"]
     path = f"/api/v1/runs/{run_id}/layers/w/histograms"
     assert client.get(path, params={"step": 10}).json() == {
@@ -292,6 +302,11 @@ def test_bad_query_parameters_are_422(
     client: httpx.Client, path: str, params: dict[str, Any]
 ) -> None:
     run_id = post(client, make_batch(0, steps=[step_record(1)])).json()["run_id"]
-    post(client, make_batch(1, layer_stats=[{"step": 1, "rank": 0, "names": ["w"],
-                                             "stats": {"zero_fraction": [0.0]}}]))
+    post(
+        client,
+        make_batch(
+            1,
+            layer_stats=[{"step": 1, "rank": 0, "names": ["w"], "stats": {"zero_fraction": [0.0]}}],
+        ),
+    )
     assert client.get(f"/api/v1/runs/{run_id}{path}", params=params).status_code == 422

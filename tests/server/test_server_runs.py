@@ -122,8 +122,9 @@ def test_list_carries_health_and_recent_skip_rate(client: httpx.Client, collecto
     assert quiet["health"] == "ok" and quiet["skip_rate"] is None
     engine = make_engine(collector.database_url)
     with engine.begin() as connection:  # the alert engine's column, set here by hand
-        connection.execute(Run.__table__.update().where(Run.id == quiet["id"]).values(
-            health="critical"))
+        connection.execute(
+            Run.__table__.update().where(Run.id == quiet["id"]).values(health="critical")
+        )
     engine.dispose()
 
     runs = {run["client_run_id"]: run for run in client.get(RUNS).json()["runs"]}
@@ -133,7 +134,8 @@ def test_list_carries_health_and_recent_skip_rate(client: httpx.Client, collecto
     for health in ("ok", "warning", "critical"):
         matching = client.get(RUNS, params={"health": health}).json()["runs"]
         assert {r["client_run_id"] for r in matching} == {
-            key for key, run in runs.items() if run["health"] == health}
+            key for key, run in runs.items() if run["health"] == health
+        }
     assert runs["quiet"]["health"] == "critical"
     assert client.get(RUNS, params={"health": "fine"}).status_code == 422
 
