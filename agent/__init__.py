@@ -13,7 +13,8 @@ from __future__ import annotations
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from ampwatch.agent.attach import Lifecycle, WatchHandle, watch
+    from ampwatch.agent.attach import watch
+    from ampwatch.agent.handle import Lifecycle, WatchHandle
 
 __all__ = ["Lifecycle", "WatchHandle", "watch"]
 

@@ -19,6 +19,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from ampwatch.agent import wire
+from ampwatch.agent.http_transport import post, request_headers
+from ampwatch.agent.retry import retry_delay
 from ampwatch.agent.spool import (
     LOCK_SUFFIX,
     SEGMENT_SUFFIX,
@@ -27,7 +29,6 @@ from ampwatch.agent.spool import (
     read_frames,
     segment_owner,
 )
-from ampwatch.agent.transport import post, request_headers, retry_delay
 
 
 @dataclass

@@ -22,7 +22,6 @@ the figures are a lower bound. Exit 1 on any loss.
 from __future__ import annotations
 
 import argparse
-import functools
 import gzip
 import os
 import signal
@@ -175,10 +174,8 @@ def training_under_kills(collector: CollectorProcess, database_url: str, kills: 
     import torch
     from torch import nn
 
-    from ampwatch.agent import attach, watch
-    from ampwatch.agent.transport import Sender
-
-    attach.Sender = functools.partial(Sender, retry_cap=0.5)  # type: ignore[misc]
+    from ampwatch.agent import watch
+    from ampwatch.agent.delivery import DeliveryOptions
 
     def make() -> tuple[nn.Module, torch.optim.Optimizer, torch.amp.GradScaler]:
         torch.manual_seed(0)
@@ -202,7 +199,8 @@ def training_under_kills(collector: CollectorProcess, database_url: str, kills: 
     for _ in range(30):
         step(*bare)
     handle = watch(*watched, url=collector.url, run=f"soak-{uuid.uuid4().hex[:6]}",
-                   flush_interval=0.1, layer_stats_every=LAYER_EVERY)  # fmt: skip
+                   flush_interval=0.1, layer_stats_every=LAYER_EVERY,
+                   delivery=DeliveryOptions(retry_cap=0.5))  # fmt: skip
     ratios = []
     total = 0
     for kill in range(kills):

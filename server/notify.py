@@ -44,6 +44,7 @@ import httpx
 from sqlalchemy import exists, or_, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
+from ampwatch.agent.retry import retry_delay
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook, utcnow
 from ampwatch.server.settings import Settings
@@ -94,43 +95,6 @@ def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
         for hook in hooks
     )
     return len(hooks)
-
-
-# --- retry policy -------------------------------------------------------------------
-
-
-def is_retryable(status: int | None) -> bool:
-    """Whether a delivery that ended with HTTP `status` (None: connection error or
-    timeout) may succeed if tried again: 408, 429 and 5xx may; any other 4xx (a revoked
-    Slack hook answers 404 or 410, a malformed body 400) and 3xx will fail the same way."""
-    return status is None or status in (408, 429) or status >= 500
-
-
-def retry_delay(
-    attempts: int,
-    status: int | None,
-    *,
-    max_attempts: int,
-    base: float,
-    cap: float = RETRY_CAP_SECONDS,
-    rng: Callable[[], float] = random.random,
-) -> float | None:
-    """Seconds until the next try of a delivery that has failed `attempts` times (1, 2,
-    ...) with `status`, or None to give up: after `max_attempts`, or at once for a status
-    that retrying cannot fix (`is_retryable`).
-
-    Exponential (base, 2·base, 4·base, ...), capped, with equal jitter (half fixed, half
-    random), so that the notifications of one incident to one dead webhook spread out.
-
-    >>> retry_delay(3, 503, max_attempts=8, base=5.0, rng=lambda: 0.0)
-    10.0
-    >>> retry_delay(8, 503, max_attempts=8, base=5.0) is None
-    True
-    """
-    if attempts >= max_attempts or not is_retryable(status):
-        return None
-    ceiling = min(cap, base * 2.0 ** (attempts - 1))
-    return ceiling / 2 + rng() * ceiling / 2
 
 
 # --- bodies -------------------------------------------------------------------------
@@ -537,8 +501,9 @@ class DeliveryWorker:
                     delay = retry_delay(
                         claim.attempts,
                         outcome.status,
-                        max_attempts=self._settings.webhook_max_attempts,
                         base=self._settings.webhook_retry_base,
+                        cap=RETRY_CAP_SECONDS,
+                        max_attempts=self._settings.webhook_max_attempts,
                         rng=self._rng,
                     )
                     if delay is None:

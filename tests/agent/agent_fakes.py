@@ -4,11 +4,14 @@ from __future__ import annotations
 
 import gzip
 import json
+import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
 from ampwatch.agent import wire
+from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.records import LayerSample, StepSample
 
 
@@ -77,3 +80,29 @@ def layer_sample(step: int, names: tuple[str, ...] = ("w",), numel: int = 4) -> 
     hist[127] = float(numel)
     values = hist * count + [0.0] * count + [1.0] * count + [65536.0]
     return LayerSample(step, 0, list(names), [numel] * count, torch.tensor(values), None, False)
+
+
+class FakeClock:
+    """A monotonic clock that moves only when told: `DeliveryOptions(clock=c, sleep=c.sleep)`
+    with `Sender.tick()` replaces waiting for the sender thread."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def __call__(self) -> float:
+        return self.now
+
+    def sleep(self, seconds: float) -> None:
+        self.now += max(0.0, seconds)
+
+    def options(self, **options: Any) -> DeliveryOptions:
+        """Delivery options on this clock."""
+        return DeliveryOptions(clock=self, sleep=self.sleep, **options)
+
+
+def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+    """Wait for a condition a background thread makes true, failing after `timeout`."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, "timed out waiting for the condition"
+        time.sleep(0.01)

@@ -18,7 +18,7 @@ from sqlalchemy import text
 from torch import nn
 
 from ampwatch.agent import attach, watch
-from ampwatch.agent.transport import Transport, http_transport, post, request_headers
+from ampwatch.agent.http_transport import Transport, http_transport, post, request_headers
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.db import make_engine
 

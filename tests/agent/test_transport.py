@@ -12,11 +12,13 @@ from typing import Any
 
 import pytest
 import torch
-from agent_fakes import FakeCollector, layer_sample, step_sample
+from agent_fakes import FakeClock, FakeCollector, layer_sample, step_sample, wait_for
 from torch import nn
 
 from ampwatch.agent import watch, wire
-from ampwatch.agent.transport import Sender, retry_delay
+from ampwatch.agent.delivery import DeliveryOptions
+from ampwatch.agent.retry import retry_delay
+from ampwatch.agent.transport import Sender
 
 RUN: wire.RunRef = {"client_run_id": "c0ffee", "name": "t", "project": "default"}
 
@@ -51,11 +53,13 @@ def test_delay_is_capped() -> None:
 
 
 def test_a_batch_keeps_its_seq_across_retries() -> None:
+    clock = FakeClock()
     collector = FakeCollector(statuses=[503, 500, 200])
-    sender = Sender(RUN, collector, flush_interval=0.01, retry_base=0.001)
+    sender = Sender(RUN, collector, flush_interval=0.01, delivery=clock.options(retry_base=0.001))
     sender.put(step_sample(1))
-    sender.start()
-    time.sleep(0.3)
+    for _ in range(3):  # the flush interval seals seq 0; each tick tries it once
+        clock.sleep(0.01)
+        sender.tick()
     sender.put(step_sample(2))
     assert sender.close(timeout=5)
 
@@ -66,12 +70,14 @@ def test_a_batch_keeps_its_seq_across_retries() -> None:
 
 
 def test_a_rejected_batch_is_counted_as_dropped_in_the_next_one() -> None:
+    clock = FakeClock()
     collector = FakeCollector(statuses=[422])
-    sender = Sender(RUN, collector, flush_interval=0.01)
+    sender = Sender(RUN, collector, flush_interval=0.01, delivery=clock.options())
     sender.put(step_sample(1))
     sender.put(layer_sample(1))
-    sender.start()
-    time.sleep(0.3)
+    for _ in range(2):  # seq 0 is rejected; a flush interval later seq 1 reports it
+        clock.sleep(0.01)
+        sender.tick()
     sender.put(step_sample(2))
     assert sender.close(timeout=5)
 
@@ -87,7 +93,7 @@ def test_a_rejected_batch_is_counted_as_dropped_in_the_next_one() -> None:
 
 def test_buffer_bound_drops_oldest_layer_stats_first() -> None:
     collector = FakeCollector()
-    sender = Sender(RUN, collector, flush_interval=60.0, max_buffered=10)
+    sender = Sender(RUN, collector, flush_interval=60.0, delivery=DeliveryOptions(max_buffered=10))
     for step in range(1, 5):
         sender.put(layer_sample(step))
     for step in range(1, 11):
@@ -106,7 +112,8 @@ def test_buffer_bound_drops_oldest_layer_stats_first() -> None:
 
 def test_layer_stats_have_their_own_smaller_bound() -> None:
     collector = FakeCollector()
-    sender = Sender(RUN, collector, flush_interval=60.0, max_buffered_layer_stats=3)
+    options = DeliveryOptions(max_buffered_layer_stats=3)
+    sender = Sender(RUN, collector, flush_interval=60.0, delivery=options)
     for step in range(1, 6):
         sender.put(layer_sample(step))
     sender.start()
@@ -128,7 +135,7 @@ def test_close_gives_up_at_its_deadline_and_counts_what_was_unsent() -> None:
     def down(body: bytes, headers: dict[str, str]) -> int:
         raise ConnectionRefusedError
 
-    sender = Sender(RUN, down, retry_base=0.05, spool=False)
+    sender = Sender(RUN, down, delivery=DeliveryOptions(retry_base=0.05, spool=False))
     sender.put(step_sample(1))
     sender.start()
     started = time.perf_counter()
@@ -164,7 +171,7 @@ def test_a_failing_collector_never_reaches_the_training_loop(failure: str) -> No
         return 500
 
     handle, _ = _train(30, transport=transport)
-    time.sleep(0.2)
+    wait_for(lambda: handle.counters["send_failures"] >= 1)
     handle.detach(timeout=0.3)
     counters = handle.counters
     assert handle.step == 30
@@ -173,15 +180,16 @@ def test_a_failing_collector_never_reaches_the_training_loop(failure: str) -> No
 
 
 def test_a_blocked_sender_does_not_block_the_training_loop() -> None:
-    release = threading.Event()
+    entered, release = threading.Event(), threading.Event()
     collector = FakeCollector()
 
     def slow(body: bytes, headers: dict[str, str]) -> int:
+        entered.set()
         release.wait(10)
         return collector(body, headers)
 
     handle, elapsed = _train(30, transport=slow)
-    time.sleep(0.1)  # the sender is now stuck inside the first send
+    assert entered.wait(10)  # the sender is now stuck inside the first send
     assert not release.is_set() and elapsed < 5.0
     release.set()
     handle.detach(timeout=5)
@@ -206,9 +214,11 @@ def test_unreachable_collector_costs_nothing_visible() -> None:
 
 def test_real_http_round_trip_sends_a_valid_gzip_batch() -> None:
     received: list[tuple[dict[str, str], dict[str, Any]]] = []
+    paths: list[str] = []
 
     class Handler(http.server.BaseHTTPRequestHandler):
         def do_POST(self) -> None:
+            paths.append(self.path)
             body = self.rfile.read(int(self.headers["Content-Length"]))
             received.append((dict(self.headers), json.loads(gzip.decompress(body))))
             reply = json.dumps({"duplicate": False}).encode()
@@ -233,7 +243,8 @@ def test_real_http_round_trip_sends_a_valid_gzip_batch() -> None:
 
     assert received, "no batch arrived"
     headers, _ = received[0]
-    assert server.RequestHandlerClass is Handler
+    # the URL's trailing slash is not doubled: every batch went to the ingest route
+    assert set(paths) == {wire.INGEST_PATH} and len(paths) == len(received)
     assert headers["Content-Type"] == "application/json"
     assert headers["Content-Encoding"] == "gzip"
     for _, batch in received:

@@ -20,13 +20,12 @@ from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Alert, Notification, Run, Webhook, utcnow
+from ampwatch.agent.retry import is_retryable, retry_delay
 from ampwatch.server.notify import (
     DeliveryWorker,
     enqueue,
     http_client,
-    is_retryable,
     post,
-    retry_delay,
     run_page_url,
 )
 from ampwatch.server.settings import Settings

@@ -1,0 +1,134 @@
+"""The handle `watch()` returns, and what a disabled agent's handle does: nothing.
+
+`detach()` is idempotent and removes everything the agent attached, as torch's
+`RemovableHandle.remove()`; the handle is a context manager; `Lifecycle` guards reuse.
+"""
+
+from __future__ import annotations
+
+import enum
+import logging
+import os
+import time
+from collections.abc import Callable
+from types import TracebackType
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ampwatch.agent.transport import Sender
+
+if TYPE_CHECKING:
+    from typing_extensions import Self
+
+logger = logging.getLogger("ampwatch.agent")
+
+
+class Lifecycle(enum.Enum):
+    """Where a handle is: attached, detached (for good), or disabled from the start."""
+
+    ATTACHED = "attached"
+    DETACHED = "detached"
+    DISABLED = "disabled"
+
+
+class WatchHandle:
+    """What `watch()` returns. Like torch's `RemovableHandle`: `detach()` is idempotent and
+    removes everything the agent attached; the handle is also a context manager. A disabled
+    handle accepts every call and records nothing."""
+
+    def __init__(self, *, client_run_id: str, state: Lifecycle) -> None:
+        self.client_run_id = client_run_id
+        self._state = state
+        self._step = 0
+        self._errors = 0
+        self._detach_actions: list[Callable[[], None]] = []
+        self._sender: Sender | None = None
+
+    @property
+    def state(self) -> Lifecycle:
+        return self._state
+
+    @property
+    def step(self) -> int:
+        """Optimizer steps seen so far, skipped ones included (with a scaler: its updates)."""
+        return self._step
+
+    @property
+    def counters(self) -> dict[str, int]:
+        """Delivery and health counters: batches_sent, send_failures, dropped_steps, ..."""
+        counters = self._sender.counters() if self._sender is not None else Sender.idle_counters()
+        return {**counters, "hook_errors": self._errors}
+
+    def log_loss(self, loss: torch.Tensor | float) -> None:
+        """Report the loss of a micro-batch (a tensor: no host sync; or a number).
+
+        The step's loss is the mean of the micro-batch losses logged since the previous
+        step (their sum with `watch(..., loss_reduction="sum")`). Logged losses win over
+        what `scaler.scale()` saw: an integration logs the undivided loss there.
+        """
+
+    def record(
+        self,
+        *,
+        step: int | None = None,
+        loss: float | torch.Tensor | None = None,
+        loss_scale: float | torch.Tensor | None = None,
+        skipped: bool | torch.Tensor | None = None,
+        grad_norm: float | torch.Tensor | None = None,
+        lr: float | torch.Tensor | None = None,
+    ) -> None:
+        """Record one optimizer step by hand (see `ampwatch.agent.manual`); never raises."""
+
+    def checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> None:
+        """Record that a checkpoint was saved at `step` (default: the current step)."""
+        self._event("checkpoint", self._step if step is None else step, {"path": os.fspath(path)})
+
+    def save_checkpoint(
+        self, obj: object, path: str | os.PathLike[str], step: int | None = None
+    ) -> None:
+        """`torch.save(obj, path)`, then `checkpoint(path, step)`. A failed save raises as
+        torch.save does and records nothing; a disabled agent still saves."""
+        torch.save(obj, path)
+        self.checkpoint(path, step)
+
+    def detach(
+        self, status: str = "finished", reason: str | None = None, *, timeout: float = 5.0
+    ) -> None:
+        """Remove every hook and patch, send `run_end`, flush for at most `timeout` seconds.
+
+        Idempotent: later calls do nothing.
+        """
+        if self._state is not Lifecycle.ATTACHED:
+            return
+        for action in reversed(self._detach_actions):
+            action()
+        self._detach_actions.clear()
+        self._event("run_end", self._step, {"status": status, "reason": reason})
+        self._state = Lifecycle.DETACHED
+        if self._sender is not None:
+            self._sender.close(timeout)
+
+    def __enter__(self) -> Self:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc is None:
+            self.detach("finished")
+        else:
+            self.detach("failed", reason=repr(exc))
+
+    def _event(self, kind: str, step: int | None, data: dict[str, Any]) -> None:
+        if self._state is Lifecycle.ATTACHED and self._sender is not None:
+            self._sender.put({"kind": kind, "step": step, "time": time.time(), "data": data})
+
+    def _on_error(self, exc: BaseException) -> None:
+        """Hook bodies report here: log the first failure with its traceback, count all."""
+        if self._errors == 0:
+            logger.warning("ampwatch agent hook failed; training continues", exc_info=exc)
+        self._errors += 1

@@ -1,0 +1,272 @@
+"""Per optimizer step, on the training thread: what the agent measures and hands over.
+
+Device reductions only (gradient range, norms, the step's scalars stacked into one tensor
+whose copy to the host starts here and completes on the sender thread): no host sync.
+`StepSampling` is the measuring half of the live handle (`ampwatch.agent.attached`), which
+owns the hooks that call it.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from ampwatch.agent import clipping, fp8
+from ampwatch.agent.handle import WatchHandle
+from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
+from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
+from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
+from ampwatch.agent.stats import RunningMean, global_grad_norm, gradient_range, named_grads
+
+
+class StepSampling(WatchHandle):
+    """The per-step measurements of a live handle; the state is set up by its subclass."""
+
+    _summed: bool
+    _clips: list[tuple[torch.Tensor, torch.Tensor | None, int]] | None
+    _early_layers: LayerSample | None
+    _named_params: list[tuple[str, torch.nn.Parameter]]
+    _optimizers: list[torch.optim.Optimizer]
+    _scaler: torch.amp.GradScaler | None
+    _send: Any
+    _every: int
+    _grad_norm: bool
+    _rank: int
+    _send_steps: bool
+    _loss: RunningMean
+    _scaled_loss: RunningMean | None
+    _closure_loss: torch.Tensor | None
+    _applied: bool
+    _pending: tuple[dict[str, torch.Tensor], LayerSample | None]
+    _fp8: fp8.Fp8Monitor | None
+    _tap: ScalerTap | None
+    _act: ActivationNorm | None
+    _act_max: ActivationMaxAbs | None
+    _probe: PrecisionProbe
+
+    def _take_loss(self) -> torch.Tensor | None:
+        """The step's loss: what log_loss() got, else what scaler.scale() saw (both reset)."""
+        scaled = None if self._scaled_loss is None else self._scaled_loss.take(summed=self._summed)
+        logged = self._loss.take(summed=self._summed)
+        return scaled if logged is None else logged
+
+    # --- per step, on the training thread ------------------------------------------------
+
+    def _layer_sample(
+        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+    ) -> LayerSample | None:
+        """Range statistics (and activation max-abs) on sampled steps; a failure costs the
+        sample, not the step."""
+        if (step - 1) % self._every != 0:
+            return None
+        try:
+            activations = None
+            if self._act_max is not None and (peaks := self._act_max.take()) is not None:
+                activations = (peaks[0], *to_host(peaks[1]))
+            names, tensors = grads
+            if not tensors:
+                return None
+            device = tensors[0].device
+            if scale is None:
+                scale = torch.ones((), dtype=torch.float32, device=device)
+            direct = (
+                self._tap is not None
+                and self._scaler is not None
+                and (self._tap.scale_left_powers_of_two or not keeps_power_of_two(self._scaler))
+            )
+            values, ready = to_host(gradient_range(tensors, scale, direct=direct))
+            numels = [t.numel() for t in tensors]
+            return LayerSample(step, self._rank, names, numels, values, ready, direct, activations)
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+            return None
+
+    def _before_clip(self, params: list[torch.Tensor]) -> None:
+        """On a sampled step, measure the gradients' range before the loop clips them: a
+        clip by an Inf/NaN norm zeroes (or NaNs) every gradient of an overflowing step."""
+        try:
+            step = self._step + 1
+            if self._clips is None or self._early_layers is not None or (step - 1) % self._every:
+                return
+            grads = named_grads(self._named_params)
+            if sum(1 for p in params if p.grad is not None) != len(grads[1]):
+                return
+            scale = None if self._scaler is None else self._scaler._get_scale_async()
+            self._early_layers = self._layer_sample(step, grads, scale)
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+
+    def _take_layers(
+        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+    ) -> LayerSample | None:
+        early, self._early_layers = self._early_layers, None
+        return early if early is not None else self._layer_sample(step, grads, scale)
+
+    def _on_clip(
+        self, params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm_type: Any
+    ) -> None:
+        try:
+            if self._clips is None:
+                return
+            if isinstance(norm_type, (int, float)) and float(norm_type) == 2.0:
+                covered = sum(1 for p in params if p.grad is not None)
+                total = total.detach()
+                after = None
+                if isinstance(max_norm, (int, float, torch.Tensor)):
+                    after = clipping.clipped_norm(total, max_norm)
+                self._clips.append((total, after, covered))
+            else:
+                self._clips = None  # another norm: measure the L2 norm ourselves
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+
+    def _norms(self, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+        """The step's unscaled L2 grad norm: the one the loop's clip returned (before
+        clipping) when one clip covered every gradient, with the norm after that clip as
+        `grad_norm_clipped`; else one pass of our own (and no clipped norm)."""
+        clips, self._clips = self._clips, []
+        if not self._grad_norm or not grads:
+            return {}
+        if clips is not None and len(clips) == 1 and clips[0][2] == len(grads):
+            total, after, _ = clips[0]
+            norms = {"grad_norm": total}
+            if after is not None:
+                norms["grad_norm_clipped"] = after
+            return norms
+        return {"grad_norm": global_grad_norm(grads)}
+
+    def _step_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample:
+        if (loss := self._take_loss()) is not None:
+            scalars["loss"] = loss
+        if self._act is not None and (act := self._act.take()) is not None:
+            scalars["act_norm_mean"], scalars["act_norm_max"] = act
+        host: dict[str, float | None] = {}
+        # `lr` is the first optimizer's first group; `lr_groups` every group of every
+        # optimizer, in order, when there is more than one (run_start lists them all).
+        lrs: list[Any] = [g.get("lr") for o in self._optimizers for g in o.param_groups]
+        if lrs:
+            _add_lr(scalars, host, "lr", lrs[0])
+        groups = 0
+        if len(lrs) > 1 and all(isinstance(lr, (torch.Tensor, float, int)) for lr in lrs):
+            groups = len(lrs)
+            for i, lr in enumerate(lrs):
+                _add_lr(scalars, host, lr_group_field(i), lr)
+        values: torch.Tensor | None = None
+        ready = None
+        if scalars:
+            device = next(iter(scalars.values())).device
+            values, ready = to_host(
+                torch.stack(
+                    [t.to(device, torch.float32, non_blocking=True) for t in scalars.values()]
+                )
+            )
+        return StepSample(step, self._rank, tuple(scalars), values, ready, host, groups)
+
+    def _before_update(self) -> tuple[StepSample | None, LayerSample | None] | None:
+        """Scaler path, just before the real `update()`: the scale in effect for this step,
+        its found-inf flags, and grads already unscaled by `step()` (fused optimizers
+        unscale inside their kernel; on a skipped fused step the grads stay scaled)."""
+        assert self._scaler is not None
+        scale = self._scaler._get_scale_async()
+        if scale is None:
+            return None  # update() before any scale(): the real update() raises
+        found_inf = found_inf_total(self._scaler, scale.device)
+        if found_inf is None:
+            return None
+        step = self._step + 1
+        grads = named_grads(self._named_params)
+        layers = self._take_layers(step, grads, scale)
+        sample = None
+        if self._send_steps:
+            scalars = {"loss_scale": scale, "found_inf": found_inf, **self._norms(grads[1])}
+            sample = self._step_sample(step, scalars)
+        return sample, layers
+
+    def _emit(self, prepared: tuple[StepSample | None, LayerSample | None]) -> None:
+        sample, layers = prepared
+        self._step += 1
+        self._probe.finish()  # the first step's forwards have run
+        if self._act_max is not None and self._step % self._every == 0:
+            self._act_max.arm()  # the next step is sampled: hook its forwards
+        if sample is not None:
+            self._send(sample)
+        if layers is not None:
+            self._send(layers)
+        if self._fp8 is not None and (fp8_sample := self._fp8.after_step(self._step)):
+            self._send(fp8_sample)
+
+    def _optimizer_pre_step(self, optimizer: Any, args: Any, kwargs: Any) -> Any:
+        """No-scaler path: grads as the optimizer will see them (scaled, if the loop scales).
+
+        `step(closure)` (Lightning always; LBFGS) computes the step's gradients inside the
+        closure, after this hook: the closure is then wrapped so that they are measured
+        when it returns (each call, for LBFGS's several), and its returned loss is the
+        step's loss unless log_loss() gave one.
+        """
+        closure = kwargs.get("closure", args[1] if len(args) > 1 else None)
+        if closure is None:
+            self._measure_pre_step()
+            return None
+
+        def measured_closure() -> Any:
+            result = closure()
+            try:
+                self._closure_loss = result if isinstance(result, torch.Tensor) else None
+            except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+                self._on_error(exc)
+            self._measure_pre_step()
+            return result
+
+        self._pending = ({}, None)
+        if "closure" in kwargs:
+            return args, {**kwargs, "closure": measured_closure}
+        return (args[0], measured_closure, *args[2:]), kwargs
+
+    def _measure_pre_step(self) -> None:
+        try:
+            grads = named_grads(self._named_params)
+            norms = self._norms(grads[1]) if self._send_steps else {}
+            self._applied = bool(grads[1])
+            self._pending = (norms, self._take_layers(self._step + 1, grads, None))
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+
+    def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
+        try:
+            norms, layers = self._pending
+            self._pending = ({}, None)
+            closure_loss, self._closure_loss = self._closure_loss, None
+            if closure_loss is not None and not self._loss.count:
+                loss = closure_loss.detach()
+                self._loss.add(loss.float().mean() if loss.dim() else loss)
+            sample = None
+            if self._send_steps:
+                sample = self._step_sample(self._step + 1, dict(norms))
+                # Without a scaler every step is applied, unless no parameter had a
+                # gradient (a skipped backward): the optimizer then changes nothing.
+                sample.host["found_inf"] = 0.0 if self._applied else 1.0
+            self._emit((sample, layers))
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+
+
+def _add_lr(
+    scalars: dict[str, torch.Tensor], host: dict[str, float | None], name: str, lr: Any
+) -> None:
+    """A tensor lr (capturable optimizers) rides the step's device copy: float() on it would
+    be a host sync; a Python number is already on the host."""
+    if isinstance(lr, torch.Tensor):
+        scalars[name] = lr.detach()
+    elif lr is not None:
+        host[name] = float(lr)
+
+
+def to_host(values: torch.Tensor) -> tuple[torch.Tensor, torch.cuda.Event | None]:
+    """Start the device-to-host copy; on CUDA, an event the sender waits on (not us)."""
+    if values.device.type != "cuda":
+        return values.to("cpu"), None
+    host = values.to("cpu", non_blocking=True)
+    ready = torch.cuda.Event()  # type: ignore[no-untyped-call]
+    ready.record()
+    return host, ready
