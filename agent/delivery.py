@@ -68,8 +68,8 @@ class DeliveryOptions:
                 raise ValueError(f"DeliveryOptions.{name} must be an int >= 1, got {value!r}")
         if not self.max_buffered_layer_stats >= 0:
             raise ValueError("DeliveryOptions.max_buffered_layer_stats must be >= 0")
-        if not 0 < self.retry_base <= self.retry_cap:
-            raise ValueError("DeliveryOptions needs 0 < retry_base <= retry_cap (seconds)")
+        if not (self.retry_base > 0 and self.retry_cap > 0):
+            raise ValueError("DeliveryOptions.retry_base and retry_cap must be > 0 seconds")
 
 
 class Delivery:

@@ -203,7 +203,7 @@ def test_an_agent_failure_is_logged_once_counted_and_contained(
     def broken(*args: object) -> None:
         raise RuntimeError("agent bug")
 
-    monkeypatch.setattr("ampwatch.agent.attach.gradient_range", broken)
+    monkeypatch.setattr("ampwatch.agent.sampling.gradient_range", broken)
     model = _mlp()
     optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
     scaler = torch.amp.GradScaler("cpu")

@@ -13,9 +13,10 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from agent_fakes import FakeCollector, layer_sample, step_sample
+from agent_fakes import FakeClock, FakeCollector, layer_sample, step_sample
 
 from ampwatch.agent import wire
+from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.spool import (
     SEGMENT_SUFFIX,
     Frame,
@@ -160,32 +161,19 @@ class Switchable(FakeCollector):
         return super().__call__(body, headers)
 
 
-def _wait_for(condition: Any, timeout: float = 10.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out"
-        time.sleep(0.01)
-
-
 def test_an_outage_spools_to_disk_then_replays_in_order_once(tmp_path: Path) -> None:
+    clock = FakeClock()
     collector = Switchable()
-    sender = Sender(
-        RUN,
-        collector,
-        spool_dir=tmp_path,
-        flush_interval=0.01,
-        retry_base=0.005,
-        retry_cap=0.05,
-        spool_after=2,
-    )
-    sender.start()
+    options = clock.options(spool_dir=tmp_path, retry_base=0.005, retry_cap=0.05, spool_after=2)
+    sender = Sender(RUN, collector, flush_interval=0.01, delivery=options)
     for step in range(1, 201):
         sender.put(step_sample(step))
         if step % 20 == 1:
             sender.put(layer_sample(step))
-        if step % 50 == 0:
-            time.sleep(0.03)
-    _wait_for(lambda: sender.counters()["batches_spooled"] >= 3)
+        if step % 50 == 0:  # a flush interval and a retry delay later: seal, try, spool
+            clock.sleep(0.05)
+            sender.tick()
+    assert sender.counters()["batches_spooled"] >= 3
     assert list(tmp_path.glob(f"*{SEGMENT_SUFFIX}"))
     collector.up.set()
     assert sender.close(timeout=10)
@@ -203,28 +191,23 @@ def test_a_full_spool_drops_layer_stats_and_the_counts_reach_the_collector(
     tmp_path: Path,
 ) -> None:
     collector = Switchable()
-    sender = Sender(
-        RUN,
-        collector,
+    # one batch per 25 steps: no timed flush (the clock stands still); a tick seals when
+    # 50 records are buffered
+    options = FakeClock().options(
         spool_dir=tmp_path,
         spool_max_bytes=12_000,
-        # one batch per 25 steps, however slow this machine: no timed flush; the sender
-        # wakes when 50 samples are queued and seals when 50 records are buffered
-        flush_interval=60.0,
-        max_queue=200,
         max_batch_records=50,
         retry_base=0.005,
         retry_cap=0.05,
         spool_after=1,
     )
-    sender.start()
+    sender = Sender(RUN, collector, flush_interval=60.0, max_queue=200, delivery=options)
     names = tuple(f"blocks.{i}.weight" for i in range(40))
     for step in range(1, 301):
         sender.put(step_sample(step))
         sender.put(layer_sample(step, names))
         if step % 25 == 0:
-            spooled = sender.counters()["batches_spooled"]
-            _wait_for(lambda n=spooled: sender.counters()["batches_spooled"] > n)
+            sender.tick()
     assert sender.counters()["batches_spooled"] == 12
     assert sender.counters()["dropped_layer_stats"] > 0
     assert sum(p.stat().st_size for p in tmp_path.glob("*.spool")) <= 12_000
@@ -244,7 +227,9 @@ def test_a_full_spool_drops_layer_stats_and_the_counts_reach_the_collector(
 def test_close_with_the_collector_down_leaves_the_batches_in_the_spool(
     tmp_path: Path,
 ) -> None:
-    sender = Sender(RUN, Switchable(), spool_dir=tmp_path, retry_base=0.01)
+    sender = Sender(
+        RUN, Switchable(), delivery=DeliveryOptions(spool_dir=tmp_path, retry_base=0.01)
+    )
     sender.start()
     for step in range(1, 6):
         sender.put(step_sample(step))
@@ -268,10 +253,13 @@ def test_offline_mode_writes_only_to_its_file(tmp_path: Path) -> None:
         raise AssertionError("offline mode must not send")
 
     path = tmp_path / "out" / "run.ampwatch"
-    sender = Sender(RUN, no_network, offline_file=path, flush_interval=0.01)
-    sender.start()
+    clock = FakeClock()
+    sender = Sender(
+        RUN, no_network, offline_file=path, flush_interval=0.01, delivery=clock.options()
+    )
     sender.put(step_sample(1))
-    time.sleep(0.1)
+    clock.sleep(0.01)
+    sender.tick()  # the flush interval has passed: batch 0 is written
     sender.put(step_sample(2))
     sender.put({"kind": "run_end", "step": 2, "time": 0.0, "data": {}})
     assert sender.close(timeout=5)
@@ -299,13 +287,14 @@ def test_a_token_is_sent_as_a_bearer_header() -> None:
 def test_a_refused_token_is_logged_once_counted_and_not_retried(
     caplog: pytest.LogCaptureFixture,
 ) -> None:
+    clock = FakeClock()
     collector = FakeCollector(statuses=[401] * 100)
-    sender = Sender(RUN, collector, token="wrong", flush_interval=0.01)
-    sender.start()
+    sender = Sender(RUN, collector, token="wrong", flush_interval=0.01, delivery=clock.options())
     with caplog.at_level(logging.WARNING, logger="ampwatch.agent"):
         for step in range(1, 4):
             sender.put(step_sample(step))
-            time.sleep(0.05)
+            clock.sleep(0.01)
+            sender.tick()
         sender.close(timeout=2)
     counters = sender.counters()
     assert counters["auth_failures"] == collector.attempts >= 2
@@ -325,7 +314,9 @@ def test_a_hung_collector_keeps_put_cheap_and_the_queue_bounded() -> None:
         release.wait(30)
         return 200
 
-    sender = Sender(RUN, hung, max_queue=1000, flush_interval=0.001, spool=False)
+    sender = Sender(
+        RUN, hung, max_queue=1000, flush_interval=0.001, delivery=DeliveryOptions(spool=False)
+    )
     sender.start()
     sender.put(step_sample(0))
     assert entered.wait(5)  # the sender thread is now stuck inside the first send
@@ -338,7 +329,7 @@ def test_a_hung_collector_keeps_put_cheap_and_the_queue_bounded() -> None:
         if step % 10 == 0:
             sender.put(layers)
         costs.append(time.perf_counter() - started)
-    queued = len(sender._queued) + len(sender._queued_layers)
+    queued = len(sender._queue)
     release.set()
     sender.close(timeout=5)
     assert queued <= 1000
@@ -381,19 +372,14 @@ def test_a_second_spool_in_the_same_directory_never_appends_to_the_first(
 def test_a_spool_deleted_under_the_sender_costs_its_records_not_the_sender(
     tmp_path: Path,
 ) -> None:
+    clock = FakeClock()
     collector = Switchable()
-    sender = Sender(
-        RUN,
-        collector,
-        spool_dir=tmp_path,
-        flush_interval=0.01,
-        retry_base=0.005,
-        retry_cap=0.02,
-        spool_after=1,
-    )
-    sender.start()
+    options = clock.options(spool_dir=tmp_path, retry_base=0.005, retry_cap=0.02, spool_after=1)
+    sender = Sender(RUN, collector, flush_interval=0.01, delivery=options)
     sender.put(step_sample(1))
-    _wait_for(lambda: sender.counters()["batches_spooled"] >= 1)
+    clock.sleep(0.01)
+    sender.tick()  # sealed, refused once, spooled
+    assert sender.counters()["batches_spooled"] >= 1
     for segment in tmp_path.glob(f"*{SEGMENT_SUFFIX}"):
         segment.unlink()  # e.g. a cache cleaner
     collector.up.set()

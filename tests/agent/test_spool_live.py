@@ -24,8 +24,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 import pytest
 from reliability_support import Trainer as ReliabilityTrainer
 
-from ampwatch.agent import attach
-from ampwatch.agent.transport import Sender
+from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.server.cli import main
 from ampwatch.server.serving import BackgroundCollector, bind_socket
 from ampwatch.server.settings import Settings
@@ -35,10 +34,8 @@ LAYER_STATS_EVERY = 20
 SAMPLED_STEPS = len(range(1, STEPS + 1, LAYER_STATS_EVERY))
 
 
-@pytest.fixture
-def quick_retries(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Probe a returning collector within 0.2 s instead of up to 30 s (the default cap)."""
-    monkeypatch.setattr(attach, "Sender", functools.partial(Sender, retry_cap=0.2))
+#: Probe a returning collector within 0.2 s instead of up to 30 s (the default cap).
+QUICK_RETRIES = DeliveryOptions(retry_cap=0.2)
 
 
 class Trainer(ReliabilityTrainer):
@@ -96,14 +93,13 @@ def _assert_stored_exactly_once(database_url: str) -> None:
     assert seqs == list(range(len(seqs)))
 
 
-@pytest.mark.usefixtures("quick_retries")
 def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     sqlite_url: str, spool_root: Path
 ) -> None:
     port = _free_port()
     trainer, bare_trainer = Trainer(), Trainer()
     bare_trainer.train(50)  # warm-up
-    handle = trainer.watch(url=f"http://127.0.0.1:{port}")
+    handle = trainer.watch(url=f"http://127.0.0.1:{port}", delivery=QUICK_RETRIES)
     # interleaved, so that both loops see the same load of this shared, noisy machine
     steps = [(trainer.step(), bare_trainer.step()) for _ in range(STEPS)]
 
@@ -125,7 +121,6 @@ def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     assert not list((spool_root / handle.client_run_id).glob("*.spool"))
 
 
-@pytest.mark.usefixtures("quick_retries")
 def test_collector_killed_mid_run_and_restarted_on_the_same_database(sqlite_url: str) -> None:
     sock = bind_socket()
     port = int(sock.getsockname()[1])
@@ -133,12 +128,12 @@ def test_collector_killed_mid_run_and_restarted_on_the_same_database(sqlite_url:
     first = BackgroundCollector(
         Settings(port=port, database_url=sqlite_url, dashboard=False), sock=sock
     ).start()
-    handle = trainer.watch(url=first.url)
+    handle = trainer.watch(url=first.url, delivery=QUICK_RETRIES)
     trainer.train(STEPS // 2)
     _wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps")[0][0] > 0)
     first.stop()
     trainer.train(STEPS // 2)
-    time.sleep(0.3)  # some batches fail and are spooled
+    _wait_for(lambda: handle.counters["send_failures"] >= 1)  # the sender's own time
 
     assert handle.counters["send_failures"] >= 1
     with _collector(port, sqlite_url):
@@ -177,13 +172,12 @@ def test_an_offline_file_uploads_completely_and_twice_stores_nothing_twice(
     _assert_stored_exactly_once(sqlite_url)
 
 
-@pytest.mark.usefixtures("quick_retries")
 def test_a_spool_left_behind_by_an_ended_process_uploads_once(
     sqlite_url: str, spool_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
     port = _free_port()
     trainer = Trainer()
-    handle = trainer.watch(url=f"http://127.0.0.1:{port}")
+    handle = trainer.watch(url=f"http://127.0.0.1:{port}", delivery=QUICK_RETRIES)
     trainer.train(STEPS)
     handle.detach(timeout=0.5)  # the collector is still down: everything stays spooled
     assert handle.counters["spooled_at_close"] >= 1
@@ -197,15 +191,13 @@ def test_a_spool_left_behind_by_an_ended_process_uploads_once(
 
 
 _KILLED_TRAINER = """
-import functools, os, signal, sys, time
-from pathlib import Path
+import os, signal, sys, time
 sys.path.insert(0, sys.argv[3])
 from reliability_support import Trainer
-from ampwatch.agent import attach
-from ampwatch.agent.transport import Sender
-attach.Sender = functools.partial(Sender, retry_cap=0.05, spool_after=1)
+from ampwatch.agent.delivery import DeliveryOptions
 trainer = Trainer(width=64, depth=1)
-handle = trainer.watch(url=sys.argv[1], run_id=sys.argv[2])
+delivery = DeliveryOptions(retry_cap=0.05, spool_after=1)
+handle = trainer.watch(url=sys.argv[1], run_id=sys.argv[2], delivery=delivery)
 trainer.train(120)
 deadline = time.monotonic() + 20
 # Steps keep coming until two batches are spooled: on a loaded machine the sender may seal
@@ -229,7 +221,6 @@ def _spooled(folder: Path) -> set[tuple[str, int]]:
     return found
 
 
-@pytest.mark.usefixtures("quick_retries")
 def test_a_spool_left_by_a_killed_process_is_delivered_by_the_next_watch_exactly_once(
     sqlite_url: str, spool_root: Path
 ) -> None:
@@ -251,7 +242,7 @@ def test_a_spool_left_by_a_killed_process_is_delivered_by_the_next_watch_exactly
 
     with _collector(port, sqlite_url):
         trainer = Trainer()
-        handle = trainer.watch(url=url, run_id=run_id)
+        handle = trainer.watch(url=url, run_id=run_id, delivery=QUICK_RETRIES)
         trainer.train(20)
         handle.detach(timeout=20)
     stored = set(_query(sqlite_url, "SELECT stream, seq FROM ingested_batches"))

@@ -6,7 +6,6 @@ folder on `sys.path`), so the two suites time the same loop."""
 
 from __future__ import annotations
 
-import functools
 import gzip
 import statistics
 import time
@@ -17,8 +16,7 @@ import torch
 from sqlalchemy import func, select
 from torch import nn
 
-from ampwatch.agent import attach, watch
-from ampwatch.agent.transport import Sender
+from ampwatch.agent import watch
 from ampwatch.agent.wire import LAYER_STATS, WIRE_VERSION
 from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
 
@@ -57,11 +55,6 @@ class Trainer:
 
     def train(self, steps: int) -> list[float]:
         return [self.step() for _ in range(steps)]
-
-
-def sender_options(monkeypatch: Any, **options: Any) -> None:
-    """Agent delivery options `watch()` does not expose (retry cap, spool bound, ...)."""
-    monkeypatch.setattr(attach, "Sender", functools.partial(Sender, **options))
 
 
 def slowdown(watched: list[float], bare: list[float]) -> float:

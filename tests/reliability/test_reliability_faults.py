@@ -21,13 +21,13 @@ from reliability_support import (
     LAYER_STATS_EVERY,
     Trainer,
     assert_exactly_once,
-    sender_options,
     slowdown,
     stored_run,
     wire_batch,
 )
 from sqlalchemy import func, select
 
+from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS
 from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
 
@@ -65,16 +65,14 @@ def _stored_events(rows: RowCounter, client_run_id: str) -> dict[str, Any]:
 def test_collector_sigkilled_mid_run_and_restarted(
     collector_process: Callable[..., CollectorProcess],
     rows: RowCounter,
-    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
     """Supervisor and both workers SIGKILLed a third into the run, restarted at two
     thirds: training runs at its own speed throughout and raises nothing; every step,
     layer sample and event is stored exactly once."""
-    sender_options(monkeypatch, retry_cap=0.2)
     first = collector_process(workers=2)
     trainer, bare = Trainer(), Trainer()
     bare.train(30)  # warm-up
-    handle = trainer.watch(url=first.url, run="sigkilled")
+    handle = trainer.watch(url=first.url, run="sigkilled", delivery=DeliveryOptions(retry_cap=0.2))
     third = STEPS // 3
 
     def interleaved(n: int) -> tuple[list[float], list[float]]:
@@ -208,12 +206,10 @@ def _assert_every_stored_batch_whole(
     for run, step in rows.rows(select(Run.client_run_id, Step.step).join(Run)):
         actual_steps.setdefault(run, set()).add(step)
     assert actual_steps == expected_steps
-    actual_layers: dict[str, int] = {}
-    for run, count in rows.rows(
+    actual_layers: dict[str, int] = dict(rows.rows(
         select(Run.client_run_id, func.count()).select_from(LayerStat).join(Run)
         .group_by(Run.client_run_id)
-    ):  # fmt: skip
-        actual_layers[run] = count
+    ))  # fmt: skip
     expected_layers = {
         run: sum(1 for s in steps if (s - 1) % LAYER_STATS_EVERY == 0) * len(LAYER_STATS)
         for run, steps in expected_steps.items()
@@ -230,7 +226,6 @@ def test_faulty_collector_bounded_agent_memory_counted_drops(
     fault: str,
     collector_process: Callable[..., CollectorProcess],
     rows: RowCounter,
-    monkeypatch: pytest.MonkeyPatch,
     spool_root: Path,
 ) -> None:
     """Behind a proxy answering 503 (or taking 3 s per request): the step never waits,
@@ -239,16 +234,16 @@ def test_faulty_collector_bounded_agent_memory_counted_drops(
     exactly those counts: stored + dropped = produced, for every kind."""
     spool_max = 8 * 1024
     limits = {"max_queue": 200, "max_buffered": 400, "max_buffered_layer_stats": 20}
-    sender_options(monkeypatch, retry_cap=0.2, spool_after=2, spool_max_bytes=spool_max,
-                   max_buffered=limits["max_buffered"],
-                   max_buffered_layer_stats=limits["max_buffered_layer_stats"])  # fmt: skip
+    delivery = DeliveryOptions(retry_cap=0.2, spool_after=2, spool_max_bytes=spool_max,
+                               max_buffered=limits["max_buffered"],
+                               max_buffered_layer_stats=limits["max_buffered_layer_stats"])  # fmt: skip
     collector = collector_process(workers=2)
     with FaultProxy(collector.url) as proxy:
         proxy.latency = 3.0
         trainer, bare = Trainer(), Trainer()
         bare.train(30)
         handle = trainer.watch(url=proxy.url, run=f"faulty-{fault}", layer_stats_every=1,
-                               max_queue=limits["max_queue"])  # fmt: skip
+                               max_queue=limits["max_queue"], delivery=delivery)  # fmt: skip
         sender: Any = handle._sender
         trainer.train(40)
         proxy.mode = "error" if fault == "5xx" else "slow"
@@ -263,9 +258,7 @@ def test_faulty_collector_bounded_agent_memory_counted_drops(
             watched.append(trainer.step())
             plain.append(bare.step())
             if i % 10 == 0:
-                peaks["queue"] = max(
-                    peaks["queue"], len(sender._queued) + len(sender._queued_layers)
-                )
+                peaks["queue"] = max(peaks["queue"], len(sender._queue))
                 peaks["buffer"] = max(peaks["buffer"], len(sender._buffer))
                 peaks["spool_bytes"] = max(peaks["spool_bytes"], _spool_bytes(spool_root))
         proxy.mode = "pass"

@@ -15,12 +15,12 @@ from sqlalchemy import func, select
 from webhook_receiver import WebhookReceiver
 from wire_batches import make_batch, step_record
 
+from ampwatch.agent.retry import is_retryable, retry_delay
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Alert, Notification, Run, Webhook, utcnow
-from ampwatch.agent.retry import is_retryable, retry_delay
 from ampwatch.server.notify import (
     DeliveryWorker,
     enqueue,
