@@ -7,7 +7,7 @@
 Three phases, each ending in an exact count of what the database holds:
 
 1. load: N simulated agents (threads sending the agent's gzip wire batches, retrying
-   like its sender: same seq, on connection errors, timeouts, 429 and 5xx) for the given
+   like its sender: same seq, by `ampwatch.agent.retry.is_retryable`) for the given
    time; values/s and steps/s held, p50/p99 ingest latency, records lost.
 2. worker kills: the same load while one uvicorn worker at a time is SIGKILLed every few
    seconds (the supervisor replaces it); records lost.
@@ -43,6 +43,7 @@ from collector import drop_postgres_database, postgres_database
 from reliability_procs import CollectorProcess, free_port
 from sqlalchemy import func, select
 
+from ampwatch.agent.retry import is_retryable
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import make_engine
 from ampwatch.server.migrate import upgrade
@@ -91,9 +92,10 @@ def load(url: str, agents: int, seconds: float, tag: str, chaos: CollectorProces
                 while True:
                     started = time.perf_counter()
                     try:
-                        status = client.post(INGEST_PATH, content=body, headers=headers).status_code
+                        answer = client.post(INGEST_PATH, content=body, headers=headers)
+                        status: int | None = answer.status_code
                     except httpx.HTTPError:
-                        status = 0
+                        status = None
                     if status == 200:
                         with lock:
                             latencies.append(time.perf_counter() - started)
@@ -103,7 +105,7 @@ def load(url: str, agents: int, seconds: float, tag: str, chaos: CollectorProces
                         break
                     with lock:
                         totals["retries"] += 1
-                    if (status and status != 429 and status < 500) or time.monotonic() > give_up:
+                    if not is_retryable(status) or time.monotonic() > give_up:
                         with lock:
                             totals["errors"] += 1
                         return
@@ -203,7 +205,7 @@ def training_under_kills(collector: CollectorProcess, database_url: str, kills: 
                    delivery=DeliveryOptions(retry_cap=0.5))  # fmt: skip
     ratios = []
     total = 0
-    for kill in range(kills):
+    for _kill in range(kills):
         for _ in range(steps_between):
             ratios.append(step(*watched) / step(*bare))
             total += 1

@@ -261,3 +261,39 @@ def test_real_http_round_trip_sends_a_valid_gzip_batch() -> None:
     kinds = [e["kind"] for _, b in received for e in b["events"]]
     assert kinds[0] == "run_start" and kinds[-1] == "run_end"
     assert handle.counters["batches_sent"] == len(received)
+
+
+# --- delivery options ----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "options",
+    [
+        {"spool_after": 0},
+        {"spool_max_bytes": 0},
+        {"max_buffered": 0},
+        {"max_batch_records": 1.5},
+        {"retry_base": 0.0},
+        {"retry_cap": -1.0},
+    ],
+)
+def test_delivery_options_refuse_bounds_that_cannot_work(options: dict[str, Any]) -> None:
+    with pytest.raises(ValueError, match="DeliveryOptions"):
+        DeliveryOptions(**options)
+
+
+def test_watch_takes_delivery_options_and_refuses_anything_else(tmp_path: Any) -> None:
+    model = nn.Linear(4, 1)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with pytest.raises(TypeError, match="DeliveryOptions"):
+        watch(model, optimizer, transport=FakeCollector(), delivery={"retry_cap": 1.0})  # type: ignore[arg-type]
+
+    def down(body: bytes, headers: dict[str, str]) -> int:
+        raise ConnectionRefusedError
+
+    # spool_after=1: the first failed try spools; the folder is the one given
+    options = DeliveryOptions(spool_dir=tmp_path, spool_after=1)
+    handle = watch(model, optimizer, transport=down, delivery=options, flush_interval=0.01)
+    wait_for(lambda: handle.counters["batches_spooled"] >= 1)
+    handle.detach(timeout=0.5)
+    assert list(tmp_path.glob("*.spool"))

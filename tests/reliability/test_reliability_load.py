@@ -3,7 +3,7 @@ PostgreSQL. Reports the values/s held and the p99 ingest latency; every acknowle
 record is counted in the database afterwards (zero loss, zero duplicates).
 
 The agents are simulated (threads sending the agent's gzip wire batches, retrying like
-its sender: same seq, on connection errors, timeouts, 429 and 5xx), in the test's own
+its sender: same seq, by `ampwatch.agent.retry.is_retryable`), in the test's own
 process: on the 2-core machine they take CPU from the collector, so the figures are a
 lower bound. `bench/soak.py --load-seconds N` is the long version.
 """
@@ -21,6 +21,7 @@ from reliability_procs import CollectorProcess, RowCounter, record_figure
 from reliability_support import LAYER_STATS_EVERY, p99, wire_batch
 from sqlalchemy import func, select
 
+from ampwatch.agent.retry import is_retryable
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.models import IngestedBatch, LayerStat, Step
 
@@ -63,9 +64,9 @@ def run_agents(url: str, agents: int, seconds: float, tag: str) -> tuple[LoadRes
                     started = time.perf_counter()
                     try:
                         answer = client.post(INGEST_PATH, content=body, headers=headers)
-                        status = answer.status_code
+                        status: int | None = answer.status_code
                     except httpx.HTTPError as error:
-                        status, answer = 0, None
+                        status, answer = None, None
                         last = repr(error)
                     elapsed = time.perf_counter() - started
                     if status == 200 and answer is not None:
@@ -78,7 +79,7 @@ def run_agents(url: str, agents: int, seconds: float, tag: str) -> tuple[LoadRes
                         break
                     with result.lock:
                         result.retries += 1
-                    if status and status != 429 and status < 500 or time.monotonic() > give_up:
+                    if not is_retryable(status) or time.monotonic() > give_up:
                         with result.lock:
                             text = answer.text[:200] if answer is not None else last
                             result.errors.append(f"{run} seq {seq}: {status} {text}")
