@@ -78,7 +78,9 @@ def step_record(sample: StepSample) -> wire.StepRecord:
         record["grad_norm_clipped"] = wire.encode_float(clipped)
     if sample.lr_groups > 1:
         groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
-        record["lr_groups"] = [wire.encode_float(v) for v in groups]
+        lrs = [lr for lr in groups if lr is not None]
+        if len(lrs) == len(groups):  # a null in the list would cost the collector the batch
+            record["lr_groups"] = wire.encode_floats(lrs)
     return record
 
 

@@ -58,7 +58,7 @@ def retry_delay(
     """
     if not is_retryable(status) or (max_attempts is not None and attempt >= max_attempts):
         return None
-    # The exponent is bounded: retrying for ever, 2.0 ** 1024 overflows (after ~1,000 tries,
-    # about 8 hours of a collector outage at the agent's 30 s cap) and would stop the sender.
+    # The exponent is bounded: retrying for ever, 2.0 ** 1024 overflows (1,025 tries: 6-8 h
+    # of a collector outage at the agent's 30 s cap), which would stop the sender thread.
     ceiling = min(cap, base * 2.0 ** min(attempt - 1, 64))
     return ceiling / 2 + rng() * ceiling / 2

@@ -35,7 +35,10 @@ A batch, as JSON (`WIRE_VERSION` 1)::
 
 JSON has no literal for NaN and ±Inf, yet they are exactly the values the runs we watch
 produce. Every float field therefore carries either a JSON number or one of the strings
-``"NaN"``, ``"Infinity"``, ``"-Infinity"`` (`encode_float` / `decode_float`).
+``"NaN"``, ``"Infinity"``, ``"-Infinity"``. This module is that convention's one home:
+the agent encodes with it, the collector validates, stores and answers with it, the
+dashboard decodes with it (`encode_float` / `decode_float`, the lists' and free-form data's
+variants, and the three strings for vectorised code).
 """
 
 from __future__ import annotations
@@ -46,10 +49,14 @@ from typing import Any, Final, Literal, TypedDict
 WIRE_VERSION: Final = 1
 INGEST_PATH: Final = "/api/v1/ingest"
 
+#: The wire's spellings of the non-finite floats.
+NAN: Final = "NaN"
+INFINITY: Final = "Infinity"
+NEG_INFINITY: Final = "-Infinity"
 NON_FINITE: Final[dict[str, float]] = {
-    "NaN": math.nan,
-    "Infinity": math.inf,
-    "-Infinity": -math.inf,
+    NAN: math.nan,
+    INFINITY: math.inf,
+    NEG_INFINITY: -math.inf,
 }
 
 #: Per-parameter-tensor statistics a layer-stats record may carry (name -> array), all
@@ -260,8 +267,8 @@ def encode_float(value: float | None) -> WireFloat | None:
     if math.isfinite(value):
         return float(value)
     if math.isnan(value):
-        return "NaN"
-    return "Infinity" if value > 0 else "-Infinity"
+        return NAN
+    return INFINITY if value > 0 else NEG_INFINITY
 
 
 def decode_float(value: WireFloat | None) -> float | None:
@@ -288,3 +295,19 @@ def encode_floats(values: list[float]) -> list[WireFloat]:
     if all(math.isfinite(v) for v in values):
         return [float(v) for v in values]
     return [encode_float(v) for v in values]  # type: ignore[misc]
+
+
+def encode_nested(value: Any) -> Any:
+    """JSON-like `value` (an event's free-form data) with every non-finite float encoded,
+    at any depth, so that it serialises as strict JSON.
+
+    >>> encode_nested({"loss": [1.0, float("nan")], "step": 3})
+    {'loss': [1.0, 'NaN'], 'step': 3}
+    """
+    if isinstance(value, float) and not math.isfinite(value):
+        return encode_float(value)
+    if isinstance(value, dict):
+        return {key: encode_nested(item) for key, item in value.items()}
+    if isinstance(value, list):
+        return [encode_nested(item) for item in value]
+    return value

@@ -15,7 +15,6 @@ be affected -- which the agent never produces (a step is measured once).
 
 from __future__ import annotations
 
-import math
 import threading
 from collections import OrderedDict
 from collections.abc import Sequence
@@ -32,9 +31,7 @@ from ampwatch.agent.wire import (
     ACTIVATION_STATS,
     DROPPED_KINDS,
     MAX_NAME_LENGTH,
-    NON_FINITE,
     STEP_FLOAT_FIELDS,
-    WireFloat,
     decode_float,
 )
 from ampwatch.server.alerts import evaluate_batch
@@ -51,6 +48,7 @@ from ampwatch.server.models import (
     Module,
     Run,
     Step,
+    sqlite_float,
     utcnow,
 )
 from ampwatch.server.packed import pack_row
@@ -117,15 +115,6 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
 _STEP_COLUMNS = ("run_id", "rank", "step", "skipped", *STEP_FLOAT_FIELDS, "lr_groups")
 
 
-def _sqlite_float(value: WireFloat | None) -> float | str | None:
-    """A wire float as `NonFiniteFloat` binds it on SQLite: NaN as the text 'NaN'."""
-    if type(value) is str:
-        return "NaN" if value == "NaN" else NON_FINITE[value]
-    if isinstance(value, float) and math.isnan(value):
-        return "NaN"
-    return value
-
-
 def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
     """Upsert the step rows in one statement, then refresh the rollups they touch.
 
@@ -134,7 +123,7 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
     step-heavy batch in profiles.
     """
     sqlite = session.get_bind().dialect.name == "sqlite"
-    bind = _sqlite_float if sqlite else decode_float
+    bind = sqlite_float if sqlite else decode_float
     latest: dict[tuple[int, int], tuple[Any, ...]] = {}
     for record in steps:  # the last record of a (rank, step) wins, as across batches
         latest[(record.rank, record.step)] = (
@@ -192,7 +181,7 @@ def _name_indices(
         indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
-        indices = {name: idx for name, idx in rows}
+        indices = dict(rows.tuples().all())
         with _NAMES_LOCK:
             _remember(cache, key, indices)
     else:

@@ -35,7 +35,7 @@ from sqlalchemy import (
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 from sqlalchemy.types import TypeDecorator
 
-from ampwatch.agent.wire import MAX_NAME_LENGTH, NON_FINITE
+from ampwatch.agent.wire import MAX_NAME_LENGTH, NAN, NON_FINITE, WireFloat
 
 #: Constraint names are deterministic, so migrations can drop and alter them by name.
 NAMING_CONVENTION = {
@@ -86,14 +86,27 @@ class NonFiniteFloat(TypeDecorator[float]):
     cache_ok = True
 
     def process_bind_param(self, value: float | None, dialect: Dialect) -> Any:
-        if value is not None and dialect.name == "sqlite" and math.isnan(value):
-            return "NaN"
-        return value
+        return sqlite_float(value) if dialect.name == "sqlite" else value
 
     def process_result_value(self, value: Any, dialect: Dialect) -> float | None:
         if isinstance(value, str):
             return float(NON_FINITE[value])
         return None if value is None else float(value)
+
+
+def sqlite_float(value: WireFloat | None) -> float | str | None:
+    """A float, or a wire float, as a `NonFiniteFloat` column holds it on SQLite: a NaN as
+    the text 'NaN', +-Inf as REAL. Ingest binds step rows with it directly (~70 ns a value;
+    decode_float, then a NaN check, cost ~4x that per value of the hottest insert).
+
+    >>> sqlite_float(float("nan")), sqlite_float("NaN"), sqlite_float("-Infinity")
+    ('NaN', 'NaN', -inf)
+    """
+    if type(value) is str:
+        return NAN if value == NAN else NON_FINITE[value]
+    if isinstance(value, float) and math.isnan(value):
+        return NAN
+    return value
 
 
 class UTCDateTime(TypeDecorator[datetime]):

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import numpy.typing as npt
 
-from ampwatch.agent.wire import WireFloat
+from ampwatch.agent.wire import INFINITY, NAN, NEG_INFINITY, WireFloat
 
 MISSING_BITS = np.uint64(0x7FF8_0000_0000_0A3F)
 _DTYPE_BITS = np.dtype("<u8")
@@ -53,8 +53,8 @@ def to_wire_rows(
     if finite.all():
         return values.tolist()  # type: ignore[no-any-return]
     out = values.astype(object)
-    out[np.isnan(values)] = "NaN"
-    out[np.isposinf(values)] = "Infinity"
-    out[np.isneginf(values)] = "-Infinity"
+    out[np.isnan(values)] = NAN
+    out[np.isposinf(values)] = INFINITY
+    out[np.isneginf(values)] = NEG_INFINITY
     out[missing] = None
     return out.tolist()  # type: ignore[no-any-return]

@@ -8,7 +8,6 @@ agent bug is answered with a 422 that names the field instead of being half-unde
 
 from __future__ import annotations
 
-import math
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
@@ -37,7 +36,7 @@ from ampwatch.agent.wire import (
     STREAM_PATTERN,
     WIRE_VERSION,
     WireFloat,
-    encode_float,
+    encode_nested,
 )
 from ampwatch.server.models import AlertStatus, Health, RunStatus, Severity, WebhookFormat
 
@@ -100,7 +99,7 @@ def _wire_float_array(value: Any) -> npt.NDArray[np.float64]:
     """
     if not isinstance(value, list):
         # ValueError, not TypeError: pydantic turns only ValueError into a 422 detail.
-        raise ValueError("must be an array of numbers")  # noqa: TRY004
+        raise ValueError("must be an array of numbers")
     kinds = set(map(type, value))
     try:
         if kinds <= _NUMBER_TYPES:
@@ -116,7 +115,7 @@ def _wire_float_array(value: Any) -> npt.NDArray[np.float64]:
                 f"{sorted(unknown)[:3]} not numbers; non-finite floats are written as one of "
                 f"{sorted(NON_FINITE)}"
             )
-        return np.array([NON_FINITE.get(v, v) for v in value], dtype=np.float64)  # type: ignore[call-overload]
+        return np.array([NON_FINITE.get(v, v) for v in value], dtype=np.float64)
     except OverflowError:
         raise ValueError("an integer is too large for a float64") from None
 
@@ -270,7 +269,7 @@ class EventIn(_WireModel):
         if _depth(data, MAX_DATA_DEPTH) > MAX_DATA_DEPTH:
             raise ValueError(f"data is nested deeper than {MAX_DATA_DEPTH} levels")
         # A JSON parser may accept NaN/Infinity literals; stored JSON must not contain them.
-        return _encode_non_finite(data)  # type: ignore[no-any-return]
+        return encode_nested(data)  # type: ignore[no-any-return]
 
 
 class BatchIn(_WireModel):
@@ -334,16 +333,6 @@ def _depth(value: Any, limit: int) -> int:
         return 0
     items = value.values() if isinstance(value, dict) else value
     return 1 + max((_depth(item, limit - 1) for item in items), default=0)
-
-
-def _encode_non_finite(value: Any) -> Any:
-    if isinstance(value, float) and not math.isfinite(value):
-        return encode_float(value)
-    if isinstance(value, dict):
-        return {key: _encode_non_finite(item) for key, item in value.items()}
-    if isinstance(value, list):
-        return [_encode_non_finite(item) for item in value]
-    return value
 
 
 class ErrorPublic(BaseModel):

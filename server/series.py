@@ -34,7 +34,13 @@ import numpy.typing as npt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import ACTIVATION_STATS, STEP_FLOAT_FIELDS, WireFloat, encode_float
+from ampwatch.agent.wire import (
+    ACTIVATION_STATS,
+    STEP_FLOAT_FIELDS,
+    WireFloat,
+    encode_float,
+    encode_floats,
+)
 from ampwatch.server.models import Layer, Module, Step, StepRollup
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import ROLLUP_COLUMNS, ROLLUP_WIDTH, step_aggregates
@@ -77,10 +83,6 @@ def _merge(buckets: dict[int, _Bucket], rows: Any) -> None:
         for i, value in enumerate(extremes):
             merge = _nan_min if i % 2 == 0 else _nan_max
             old.extremes[i] = merge(old.extremes[i], value)
-
-
-def _wire(value: float | None) -> WireFloat | None:
-    return value if value is None or math.isfinite(value) else encode_float(value)
 
 
 def _step_bounds(
@@ -198,7 +200,7 @@ def _buckets_from(rows: Any) -> dict[int, _Bucket]:
 
 def _wire_list(blob: bytes) -> list[WireFloat]:
     """A packed little-endian float64 array (`steps.lr_groups`) in the wire encoding."""
-    return [_wire(v) for v in np.frombuffer(blob, dtype="<f8").tolist()]
+    return encode_floats(np.frombuffer(blob, dtype="<f8").tolist())
 
 
 def _columns(
@@ -227,7 +229,7 @@ def _columns(
             skipped.append(count > 0)
             skipped_count.append(count)
             for i, name in enumerate(STEP_FLOAT_FIELDS):
-                floats[name].append(_wire(bucket.extremes[2 * i + extreme]))
+                floats[name].append(encode_float(bucket.extremes[2 * i + extreme]))
     return StepSeries.model_construct(
         step=steps, skipped=skipped, skipped_count=skipped_count, bucket_width=width,
         lr_groups=[lr_groups.get(step) for step in steps], **floats,
