@@ -181,7 +181,7 @@ def _name_indices(
         indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
-        indices = dict(rows.tuples().all())
+        indices = dict(rows.all())
         with _NAMES_LOCK:
             _remember(cache, key, indices)
     else:
