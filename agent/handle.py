@@ -16,6 +16,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from ampwatch.agent.batching import idle_counters
 from ampwatch.agent.transport import Sender
 
 if TYPE_CHECKING:
@@ -57,7 +58,7 @@ class WatchHandle:
     @property
     def counters(self) -> dict[str, int]:
         """Delivery and health counters: batches_sent, send_failures, dropped_steps, ..."""
-        counters = self._sender.counters() if self._sender is not None else Sender.idle_counters()
+        counters = self._sender.counters() if self._sender is not None else idle_counters()
         return {**counters, "hook_errors": self._errors}
 
     def log_loss(self, loss: torch.Tensor | float) -> None:

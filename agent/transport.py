@@ -20,7 +20,7 @@ import os
 import threading
 
 from ampwatch.agent import wire
-from ampwatch.agent.batching import RecordBuffer, Sample, SampleQueue, Tally, idle_counters
+from ampwatch.agent.batching import RecordBuffer, Sample, SampleQueue, Tally
 from ampwatch.agent.delivery import Delivery, DeliveryOptions
 from ampwatch.agent.http_transport import Transport, http_transport
 
@@ -101,11 +101,6 @@ class Sender:
 
     def counters(self) -> dict[str, int]:
         return self._tally.snapshot(self._unsent_at_close)
-
-    @staticmethod
-    def idle_counters() -> dict[str, int]:
-        """The counters of a sender that never ran (a disabled agent): same keys, all 0."""
-        return idle_counters()
 
     def tick(self) -> None:
         """One pass of the sender thread's work, at `clock()`: take what `put` queued, seal

@@ -100,7 +100,7 @@ class FakeClock:
         return DeliveryOptions(clock=self, sleep=self.sleep, **options)
 
 
-def wait_for(condition: Callable[[], bool], timeout: float = 10.0) -> None:
+def wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
     """Wait for a condition a background thread makes true, failing after `timeout`."""
     deadline = time.monotonic() + timeout
     while not condition():

@@ -12,8 +12,6 @@ import sqlite3
 import statistics
 import subprocess
 import sys
-import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -22,6 +20,7 @@ from typing import Any
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "reliability"))
 
 import pytest
+from agent_fakes import wait_for
 from reliability_support import Trainer as ReliabilityTrainer
 
 from ampwatch.agent.delivery import DeliveryOptions
@@ -65,13 +64,6 @@ def _query(database_url: str, sql: str) -> list[tuple[Any, ...]]:
         return db.execute(sql).fetchall()
 
 
-def _wait_for(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "timed out waiting for the condition"
-        time.sleep(0.05)
-
-
 def _run_ended(database_url: str) -> bool:
     try:
         return bool(_query(database_url, "SELECT 1 FROM events WHERE kind = 'run_end'"))
@@ -107,15 +99,15 @@ def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     counters = handle.counters
     assert counters["hook_errors"] == 0 and counters["batches_sent"] == 0
     # The sender thread spools on its own time (after its retries): wait for it, bounded.
-    _wait_for(lambda: handle.counters["batches_spooled"] >= 1)
+    wait_for(lambda: handle.counters["batches_spooled"] >= 1)
     assert list((spool_root / handle.client_run_id).glob("*.spool"))
     # loose: a noisy 2-core machine; the agent's own bar is measured by bench/
     assert statistics.median(w / b for w, b in steps) < 1.5
 
     with _collector(port, sqlite_url):
-        _wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps") == [(STEPS,)])
+        wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps") == [(STEPS,)])
         handle.detach(timeout=10)
-        _wait_for(lambda: _run_ended(sqlite_url))
+        wait_for(lambda: _run_ended(sqlite_url))
     _assert_stored_exactly_once(sqlite_url)
     assert handle.counters["spooled_at_close"] == 0
     assert not list((spool_root / handle.client_run_id).glob("*.spool"))
@@ -130,16 +122,16 @@ def test_collector_killed_mid_run_and_restarted_on_the_same_database(sqlite_url:
     ).start()
     handle = trainer.watch(url=first.url, delivery=QUICK_RETRIES)
     trainer.train(STEPS // 2)
-    _wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps")[0][0] > 0)
+    wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps")[0][0] > 0)
     first.stop()
     trainer.train(STEPS // 2)
-    _wait_for(lambda: handle.counters["send_failures"] >= 1)  # the sender's own time
+    wait_for(lambda: handle.counters["send_failures"] >= 1)  # the sender's own time
 
     assert handle.counters["send_failures"] >= 1
     with _collector(port, sqlite_url):
-        _wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps") == [(STEPS,)])
+        wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps") == [(STEPS,)])
         handle.detach(timeout=10)
-        _wait_for(lambda: _run_ended(sqlite_url))
+        wait_for(lambda: _run_ended(sqlite_url))
     _assert_stored_exactly_once(sqlite_url)
 
 
