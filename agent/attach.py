@@ -1,8 +1,11 @@
 """`watch()`: attach the agent to a model, its optimizers and (optional) GradScaler.
 
-Per optimizer step the training thread launches a few device reductions, stacks the step's
-scalars into one tensor, starts its copy to the host and hands it to the sender thread; it
-never waits for the device and never sees an exception from the agent.
+Here: the arguments, checked at attach time (TypeError/ValueError saying how to fix them),
+the run's identity, and the wiring of the parts: the live handle and its hooks
+(`ampwatch.agent.attached`), which measure each step (`ampwatch.agent.sampling`: a few
+device reductions, the step's scalars stacked into one tensor whose host copy the sender
+thread waits for) and hand samples to the sender (`ampwatch.agent.transport`). The training
+thread never waits for the device and never sees an exception from the agent.
 """
 
 from __future__ import annotations
