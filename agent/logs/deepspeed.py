@@ -158,7 +158,7 @@ class DeepSpeedParser:
             for seen, number, line in held:
                 out += self._overflow(seen, number, line)
             return out
-        if self.mode != "engine" or not self._marks:
+        if self.mode != "engine" or not (self._marks or self._exact):
             return []
         return list(self._replay())
 
@@ -190,7 +190,9 @@ class DeepSpeedParser:
         shift = int(settings["delayed_shift"])
         hysteresis, last_overflow = shift, 0
         steps = []
-        for attempt in range(1, self._marks[-1][0] + 1):
+        # The last attempt: the last `step=` line's, or the last exact overflow's.
+        last = max(self._marks[-1][0] if self._marks else 0, max(self._exact, default=0))
+        for attempt in range(1, last + 1):
             steps.append(LogStep(attempt, loss_scale=scale, skipped=attempt in skipped))
             if attempt in skipped:
                 if shift == 1 or hysteresis == 1:

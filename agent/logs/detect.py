@@ -79,8 +79,10 @@ def detect_format(lines: Iterable[str]) -> tuple[str, str]:
     for number, line in enumerate(lines, 1):
         if number > SNIFF_LINES:
             break
+        hit: set[str] = set()
         for fmt, marker in _MARKERS:
-            if marker in line:
+            if fmt not in hit and marker in line:
+                hit.add(fmt)
                 counts[fmt] = counts.get(fmt, 0) + 1
                 first.setdefault(fmt, (number, marker, line.strip()[:80]))
         if _GENERIC in line:
@@ -95,9 +97,9 @@ def detect_format(lines: Iterable[str]) -> tuple[str, str]:
             f"(looked for: {', '.join(sorted({m for _, m in _MARKERS}))}); pass --format"
         )
     order = [fmt for fmt, _ in _MARKERS]
-    # Megatron-DeepSpeed lines are Megatron lines too: count them together.
+    # Megatron-DeepSpeed lines are Megatron lines too (counted there already).
     if "megatron-deepspeed" in counts:
-        counts["megatron-deepspeed"] += counts.pop("megatron", 0)
+        counts["megatron-deepspeed"] = max(counts["megatron-deepspeed"], counts.pop("megatron", 0))
     best = max(counts, key=lambda fmt: (counts[fmt], -order.index(fmt)))
     number, marker, text = first[best] if best in first else first["megatron"]
     others = ", ".join(f"{f} {n}" for f, n in sorted(counts.items()) if f != best)

@@ -32,21 +32,20 @@ from ampwatch.agent.logs.deepspeed_lines import RankCopies, overflow
 from ampwatch.agent.logs.series import (
     Checkpoint,
     Entry,
+    Field,
     LogParseError,
     LogStep,
     Restart,
-    field_pattern,
-    find,
     measured_scale,
 )
 
 _ITERATION = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|")
-_LOSS = field_pattern("lm loss")
-_SCALE = field_pattern("loss scale")
-_NORM = field_pattern("grad norm")
-_LR = field_pattern("learning rate")
-_SKIPS = field_pattern("number of skipped iterations")
-_NANS = field_pattern("number of nan iterations")
+_LOSS = Field("lm loss")
+_SCALE = Field("loss scale")
+_NORM = Field("grad norm")
+_LR = Field("learning rate")
+_SKIPS = Field("number of skipped iterations")
+_NANS = Field("number of nan iterations")
 _SAVING = re.compile(r"sav(?:ing|ed) checkpoint at iteration\s+(\d+) to (\S+)")
 _BANNERS = ("using world size:", "> initializing torch distributed")
 
@@ -96,14 +95,14 @@ class MegatronParser:
             self._banner, self._logged_scale = False, None
             self._last_step = None
         try:
-            skips = find(_SKIPS, line) or 0.0
-            nans = find(_NANS, line) or 0.0
-            loss = find(_LOSS, line)
-            logged = measured_scale(find(_SCALE, line))
-            norm = find(_NORM, line)
-            lr = find(_LR, line)
+            skips = _SKIPS.read(line) or 0.0
+            nans = _NANS.read(line) or 0.0
+            loss = _LOSS.read(line)
+            logged = measured_scale(_SCALE.read(line))
+            norm = _NORM.read(line)
+            lr = _LR.read(line)
         except ValueError as exc:  # a number that does not read
-            raise LogParseError(number, line, f"unreadable value ({exc})") from None
+            raise LogParseError(number, line, str(exc)) from None
         if loss is None and nans > 0:
             loss = float("nan")
         record = LogStep(step, loss=loss, loss_scale=logged, skipped=skips > 0,
