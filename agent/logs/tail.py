@@ -14,12 +14,13 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import BinaryIO
+from typing import BinaryIO, final
 
 #: Bytes read per `poll()` at most, so a huge backlog is taken in bounded bites.
 READ_BYTES = 4 * 1024 * 1024
 
 
+@final
 class LogTail:
     """`poll()` returns the complete lines (decoded, no newline) written since the last
     call; it never blocks. `from_end=True` skips what the file already holds."""
@@ -37,6 +38,12 @@ class LogTail:
         if self._file is not None:
             self._file.close()
             self._file = None
+
+    def __enter__(self) -> LogTail:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def _open(self) -> bool:
         try:
