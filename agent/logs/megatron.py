@@ -32,7 +32,6 @@ from ampwatch.agent.logs.deepspeed_lines import RankCopies, overflow
 from ampwatch.agent.logs.series import (
     Checkpoint,
     Entry,
-    Field,
     LogParseError,
     LogStep,
     Restart,
@@ -40,14 +39,31 @@ from ampwatch.agent.logs.series import (
 )
 
 _ITERATION = re.compile(r"iteration\s+(\d+)\s*/\s*\d+\s*\|")
-_LOSS = Field("lm loss")
-_SCALE = Field("loss scale")
-_NORM = Field("grad norm")
-_LR = Field("learning rate")
-_SKIPS = Field("number of skipped iterations")
-_NANS = Field("number of nan iterations")
 _SAVING = re.compile(r"sav(?:ing|ed) checkpoint at iteration\s+(\d+) to (\S+)")
 _BANNERS = ("using world size:", "> initializing torch distributed")
+
+
+def _fields(line: str) -> dict[str, str]:
+    """Every `| name: value` field of an iteration line, by string splitting (no regex:
+    ~30% faster than a search per field; bench/import.py parses a million lines)."""
+    fields = {}
+    for part in line.split("|"):
+        name, colon, value = part.partition(":")
+        if colon:
+            fields[name.strip()] = value.strip()
+    return fields
+
+
+def _value(fields: dict[str, str], name: str) -> float | None:
+    """The field's number; None when the line has no such field (ValueError when it has
+    one that does not read: "lm loss: 1.2.3E+00" is an unreadable line, not a missing loss)."""
+    text = fields.get(name)
+    if text is None:
+        return None
+    try:
+        return float(text)
+    except ValueError:
+        raise ValueError(f"the {name!r} value {text!r} is not a number") from None
 
 
 class MegatronParser:
@@ -94,13 +110,14 @@ class MegatronParser:
             out.append(Restart(number, why))
             self._banner, self._logged_scale = False, None
             self._last_step = None
+        fields = _fields(line)
         try:
-            skips = _SKIPS.read(line) or 0.0
-            nans = _NANS.read(line) or 0.0
-            loss = _LOSS.read(line)
-            logged = measured_scale(_SCALE.read(line))
-            norm = _NORM.read(line)
-            lr = _LR.read(line)
+            skips = _value(fields, "number of skipped iterations") or 0.0
+            nans = _value(fields, "number of nan iterations") or 0.0
+            loss = _value(fields, "lm loss")
+            logged = measured_scale(_value(fields, "loss scale"))
+            norm = _value(fields, "grad norm")
+            lr = _value(fields, "learning rate")
         except ValueError as exc:  # a number that does not read
             raise LogParseError(number, line, str(exc)) from None
         if loss is None and nans > 0:

@@ -97,22 +97,3 @@ def field_pattern(name: str, sep: str = ":") -> re.Pattern[str]:
 def find(pattern: re.Pattern[str], line: str) -> float | None:
     match = pattern.search(line)
     return float(match.group(1)) if match else None
-
-
-class Field:
-    """A `name: value` field that must read when its name is there: `1.2.3E+00` or
-    `abc` after the name raises ValueError rather than passing as "not logged"."""
-
-    def __init__(self, name: str, sep: str = ":") -> None:
-        self.label = name + sep
-        self._pattern = re.compile(
-            re.escape(name) + r"\s*" + re.escape(sep) + r"\s*" + NUMBER + r"(?=\s|\||,|$)"
-        )
-
-    def read(self, line: str) -> float | None:
-        match = self._pattern.search(line)
-        if match is not None:
-            return float(match.group(1))
-        if self.label in line:
-            raise ValueError(f"the {self.label!r} value does not read as a number")
-        return None
