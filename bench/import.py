@@ -133,7 +133,7 @@ def bench_follow(url: str, database_url: str, folder: Path, seconds: float,
     assert follower.stdout is not None
     follower.stdout.readline()  # "following ...": imports done, the loop starts
     lines = megatron_lines(1, int(seconds * rate) + 100, seed=7)
-    lines = [t for t in lines if " iteration " in t][: int(seconds * rate)]
+    lines = [t for t in lines if t.startswith(" iteration ")][: int(seconds * rate)]
     cpu_start, wall_start = cpu_seconds(follower.pid), time.monotonic()
     tick = 0.1
     with log.open("a") as out:
@@ -161,8 +161,10 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true")
     parser.add_argument("--backend", choices=["sqlite", "postgres"], default="sqlite")
+    parser.add_argument("--only", choices=["import", "follow"], help="run one phase")
     args = parser.parse_args()
     iterations, seconds = (20_000, 4.0) if args.quick else (TOTAL, 30.0)
+    results: list[tuple[bool, str]] = []
     with tempfile.TemporaryDirectory(prefix="ampwatch-bench-import-") as tmp:
         folder = Path(tmp)
         database_url = (postgres_database() if args.backend == "postgres"
@@ -172,8 +174,10 @@ def main() -> int:
         server, url = start_server(database_url)
         try:
             httpx.get(f"{url}/readyz", timeout=10)
-            results = [bench_import(url, database_url, folder, iterations),
-                       bench_follow(url, database_url, folder, seconds)]  # fmt: skip
+            if args.only in (None, "import"):
+                results.append(bench_import(url, database_url, folder, iterations))
+            if args.only in (None, "follow"):
+                results.append(bench_follow(url, database_url, folder, seconds))
         finally:
             server.terminate()
             server.wait(timeout=30)

@@ -54,8 +54,17 @@ def _resolved(args: argparse.Namespace) -> config.Config:
     return config.resolve(url=args.url, token=args.token, project=args.project)
 
 
+def _needs_agent(command: str) -> int:
+    print(f"ampwatch {command} sends through the agent's sender, which needs torch: "
+          "pip install 'ampwatch[agent]'", file=sys.stderr)  # fmt: skip
+    return 2
+
+
 def cmd_import(args: argparse.Namespace) -> int:
-    from ampwatch.agent.logs.importer import import_logs
+    try:
+        from ampwatch.agent.logs.importer import import_logs
+    except ImportError:  # pragma: no cover - depends on the install
+        return _needs_agent("import")
 
     settings = _resolved(args)
     try:
@@ -79,7 +88,10 @@ def cmd_import(args: argparse.Namespace) -> int:
 
 
 def cmd_follow(args: argparse.Namespace) -> int:
-    from ampwatch.agent.logs.follow import Follower, follow
+    try:
+        from ampwatch.agent.logs.follow import Follower, follow
+    except ImportError:  # pragma: no cover - depends on the install
+        return _needs_agent("follow")
 
     settings = _resolved(args)
     follower = Follower(args.file, url=settings.url, fmt=args.format, name=args.run,

@@ -3,17 +3,21 @@ own sender (`ampwatch.agent.transport.Sender`): batching, retries, the on-disk s
 while the collector is down, and (run, stream, seq) dedup, so every step arrives once.
 
 Each process of the training run (the log's first, and each restart the parser sees) gets
-its own sender and stream, exactly as a resumed agent would, so the collector restarts its
-calibration at the new process's `run_start`. At a restart the old sender is closed
-(flushed; while the collector is down its rest stays in the run's spool directory, which
-the next sender of the run adopts only once this process has exited: `ampwatch upload
-DIR` or the next `follow` delivers it). Ctrl-C (SIGINT) or SIGTERM: the parser's last
-steps are sent, the senders flushed, exit 0.
+its own sender, stream and spool folder (`<run's spool dir>/process-N`), exactly as a
+resumed agent would, so the collector restarts its calibration at the new process's
+`run_start`. At a restart the old sender is closed (flushed); what it could not deliver
+(the collector is down) stays in its spool folder, which the follower uploads before
+anything of the new process goes out: the new sender's transport refuses while that
+backlog exists (its batches wait in its own spool, in order), so the collector sees the
+processes in log order. Ctrl-C (SIGINT) or SIGTERM: the parser's last steps are sent, the
+senders flushed, exit 0; a backlog left then is sent by the next `follow` of the same
+log, or by `ampwatch upload DIR`.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import threading
 import time
@@ -26,7 +30,12 @@ from ampwatch.agent.logs.detect import SNIFF_LINES, detect_format, make_parser
 from ampwatch.agent.logs.records import derived_id, event, run_start, step_sample
 from ampwatch.agent.logs.series import Checkpoint, Entry, LogStep, Parser, Restart
 from ampwatch.agent.logs.tail import LogTail
+from ampwatch.agent.spool import default_spool_dir
 from ampwatch.agent.transport import Sender, Transport, http_transport
+from ampwatch.agent.upload import upload
+
+#: Seconds between tries to upload an earlier process's backlog.
+BACKLOG_RETRY = 2.0
 
 
 class Follower:
@@ -64,6 +73,7 @@ class Follower:
         self._name = name or self.path.stem
         self._project = project
         self._token = token
+        self._url = url
         self._transport = transport or http_transport(url)
         self._spool_dir = spool_dir
         self._flush_interval = flush_interval
@@ -71,6 +81,8 @@ class Follower:
         self._senders: dict[str, Sender] = {}
         self._process = 0
         self._restart_reason = "follow started"
+        self._backlog: list[Path] = []  # closed processes' spool folders not yet delivered
+        self._backlog_at = 0.0
         self.steps_sent = 0
 
     def client_run_id(self, engine: str = "") -> str:
@@ -79,6 +91,7 @@ class Follower:
     def tick(self) -> int:
         """Read and send what the log gained; returns the steps handed to the senders."""
         before = self.steps_sent
+        self._deliver_backlog()
         for line in self.tail.poll():
             self._number += 1
             if self._parser is None:
@@ -109,13 +122,40 @@ class Follower:
                                 "name": f"{self._name}-{engine}" if engine else self._name}  # fmt: skip
             if self._project is not None:
                 ref["project"] = self._project
-            sender = Sender(ref, self._transport, token=self._token, spool_dir=self._spool_dir,
+            sender = Sender(ref, self._in_order, token=self._token,
+                            spool_dir=self._process_spool(engine),
                             flush_interval=self._flush_interval)  # fmt: skip
             sender.start()
             sender.put(run_start(self.format or self._fmt, str(self.path), self._process,
                                  self._restart_reason))  # fmt: skip
             self._senders[engine] = sender
         return sender
+
+    def _process_spool(self, engine: str) -> Path:
+        root = Path(self._spool_dir) if self._spool_dir else default_spool_dir(
+            self.client_run_id(engine))  # fmt: skip
+        return root / f"process-{self._process}"
+
+    def _in_order(self, body: bytes, headers: dict[str, str]) -> int:
+        """The senders' transport: nothing of a later process while an earlier one's
+        batches wait (raising is "not delivered": the sender retries, then spools)."""
+        if self._backlog:
+            raise ConnectionError("an earlier process's batches are delivered first")
+        return self._transport(body, headers)
+
+    def _deliver_backlog(self, *, force: bool = False) -> None:
+        now = time.monotonic()
+        if not self._backlog or (not force and now < self._backlog_at):
+            return
+        self._backlog_at = now + BACKLOG_RETRY
+        while self._backlog:
+            folder = self._backlog[0]
+            report = upload(folder, self._url, token=self._token, timeout=5.0, attempts=1,
+                            log=lambda _: None)  # fmt: skip
+            if not report.complete:
+                return
+            shutil.rmtree(folder, ignore_errors=True)
+            self._backlog.pop(0)
 
     def _send(self, entries: list[Entry]) -> None:
         for entry in entries:
@@ -134,8 +174,10 @@ class Follower:
 
     def _close_senders(self, timeout: float) -> bool:
         delivered = True
-        for sender in self._senders.values():  # every one, even after one that failed
-            delivered = sender.close(timeout) and delivered
+        for engine, sender in self._senders.items():  # every one, even after one that failed
+            if not sender.close(timeout):
+                delivered = False
+                self._backlog.append(self._process_spool(engine))
         self._senders = {}
         return delivered
 
@@ -152,7 +194,8 @@ class Follower:
         if self._parser is not None:
             self._send(self._parser.finish())
         self.tail.close()
-        return self._close_senders(timeout)
+        self._deliver_backlog(force=True)
+        return self._close_senders(timeout) and not self._backlog
 
 
 def follow(follower: Follower, *, poll_interval: float = 0.25,

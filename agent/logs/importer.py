@@ -3,8 +3,8 @@
 Nothing is sent until every file has parsed: a line that does not read stops the import
 with its file and line number, and the collector never sees half a log. The batches are
 then cut deterministically (the run id from the files' bytes, one stream per process, seq
-from 0, `BATCH_STEPS` steps a batch), written in the agent's offline-file format and sent
-by `ampwatch upload`'s loop: importing the same files again re-sends the same (run,
+from 0, `BATCH_STEPS` steps a batch), framed as in the agent's offline files and sent
+by `ampwatch upload`'s loop (`send`): importing the same files again re-sends the same (run,
 stream, seq), which the collector acknowledges as duplicates, storing nothing twice; an
 import cut short by an outage is completed by running it again.
 
@@ -19,7 +19,9 @@ import gzip
 import hashlib
 import json
 import os
+import queue
 import tempfile
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -181,6 +183,41 @@ def _body(ref: wire.RunRef, stream: str, seq: int, steps: list[wire.StepRecord],
     return gzip.compress(json.dumps(batch, allow_nan=False).encode(), compresslevel=1)
 
 
+def send(bodies: Iterator[bytes], url: str, *, token: str | None = None,
+         log: Callable[[str], None] = print) -> UploadReport:  # fmt: skip
+    """Send `bodies` in order, each through `ampwatch upload`'s loop (its retries and its
+    duplicate counting), while this thread builds the next ones: building a batch (JSON,
+    gzip) overlaps the collector storing the previous one. Stops at the first batch that
+    is not delivered; the rest count as unsent."""
+    total = UploadReport()
+    ready: queue.Queue[Path | None] = queue.Queue(maxsize=4)
+    built = 0
+
+    def post_in_order() -> None:
+        while (path := ready.get()) is not None:
+            if total.complete:
+                part = upload(path, url, token=token, log=log)
+                for name in ("stored", "duplicates", "rejected", "corrupt", "unsent"):
+                    setattr(total, name, getattr(total, name) + getattr(part, name))
+            else:
+                total.unsent += 1
+            path.unlink()
+
+    with tempfile.TemporaryDirectory(prefix="ampwatch-import-") as folder:
+        poster = threading.Thread(target=post_in_order, name="ampwatch-import-send")
+        poster.start()
+        try:
+            for body in bodies:
+                path = Path(folder) / f"{built:08d}.ampwatch"
+                path.write_bytes(encode_frame(body))
+                ready.put(path)
+                built += 1
+        finally:
+            ready.put(None)
+            poster.join()
+    return total
+
+
 @dataclass
 class ImportReport:
     logs: list[ParsedLog]
@@ -211,19 +248,10 @@ def import_logs(
             f"{len(parsed.steps)} steps, {len(parsed.checkpoints)} checkpoints")  # fmt: skip
     runs = plan_runs(logs, name=name, run_id=run_id)
     report = ImportReport(logs, runs)
-    target = offline_file
-    scratch = target is None
-    if target is None:
-        handle, target = tempfile.mkstemp(prefix="ampwatch-import-", suffix=".ampwatch")
-        os.close(handle)
-    try:
-        with open(target, "ab") as out:
-            for run in runs:
-                for body in batches(run, logs[0].format, project):
-                    out.write(encode_frame(body))
-        if offline_file is None:
-            report.upload = upload(target, url, token=token, log=log)
-    finally:
-        if scratch:
-            os.unlink(target)
+    bodies = (body for run in runs for body in batches(run, logs[0].format, project))
+    if offline_file is not None:
+        with open(offline_file, "ab") as out:
+            out.writelines(encode_frame(body) for body in bodies)
+    else:
+        report.upload = send(bodies, url, token=token, log=log)
     return report
