@@ -32,7 +32,7 @@ import httpx
 from collector import drop_postgres_database, postgres_database, start_server
 from sqlalchemy import func, select
 
-from ampwatch.agent.logs import import_logs, parse_file
+from ampwatch.agent.logs import Target, import_logs, parse_file
 from ampwatch.server.db import make_engine
 from ampwatch.server.models import Step
 
@@ -107,16 +107,16 @@ def bench_import(url: str, database_url: str, folder: Path, iterations: int) -> 
     parsed = parse_file(log)
     parse_s = time.perf_counter() - started
     started = time.perf_counter()
-    report = import_logs([str(log)], url=url, name="bench-import", log=lambda _: None)
+    report = import_logs([str(log)], Target(url, name="bench-import"), log=lambda _: None)
     total_s = time.perf_counter() - started
     stored = stored_steps(database_url)
     ok = stored == iterations and report.upload is not None and report.upload.complete
-    bar = 60.0 * iterations / TOTAL  # the bar scaled to the log's size in --quick
     line = (f"import     {iterations:,} iterations ({size:.0f} MB, generated in {generated:.1f} s): "
             f"parse {parse_s:.1f} s ({iterations / parse_s:,.0f} lines/s), import end to end "
             f"{total_s:.1f} s, {stored:,} steps stored, {len(parsed.checkpoints)} checkpoints "
-            f"[bar < {bar:.0f} s: {'ok' if ok and total_s < bar else 'MISSED'}]")  # fmt: skip
-    return ok and total_s < bar, line
+            + (f"[bar < 60 s: {'ok' if ok and total_s < 60 else 'MISSED'}]" if iterations == TOTAL
+               else "[the bar is for 1,000,000 iterations; counts checked]"))  # fmt: skip
+    return ok and (iterations < TOTAL or total_s < 60), line
 
 
 def bench_follow(url: str, database_url: str, folder: Path, seconds: float,
@@ -147,7 +147,8 @@ def bench_follow(url: str, database_url: str, folder: Path, seconds: float,
     cpu = cpu_seconds(follower.pid) - cpu_start
     wall = time.monotonic() - wall_start
     follower.send_signal(signal.SIGINT)
-    rc = follower.wait(timeout=60)
+    follower.communicate(timeout=60)  # waits, and closes its pipe
+    rc = follower.returncode
     share = 100 * cpu / wall
     ok = caught_up and lag <= 5.0 and share < 5.0 and rc == 0
     line = (f"follow     {len(lines):,} lines at {rate:,}/s over {wall:.1f} s: all stored "

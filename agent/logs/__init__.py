@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from ampwatch.agent.logs.detect import FORMATS, detect_format, make_parser
 from ampwatch.agent.logs.importer import ParsedLog, import_logs, parse_file
+from ampwatch.agent.logs.records import Target
 from ampwatch.agent.logs.series import Checkpoint, LogParseError, LogStep, Restart
 
 __all__ = [
@@ -23,6 +24,7 @@ __all__ = [
     "LogStep",
     "ParsedLog",
     "Restart",
+    "Target",
     "detect_format",
     "import_logs",
     "make_parser",

@@ -10,6 +10,7 @@ from typing import Any
 
 from ampwatch.agent import config
 from ampwatch.agent.logs.detect import FORMATS
+from ampwatch.agent.logs.records import Target
 from ampwatch.agent.logs.series import LogParseError
 
 FORMAT_CHOICES = ["auto", *FORMATS]
@@ -50,8 +51,10 @@ def add_log_commands(sub: Any) -> None:
     fol.set_defaults(func=cmd_follow)
 
 
-def _resolved(args: argparse.Namespace) -> config.Config:
-    return config.resolve(url=args.url, token=args.token, project=args.project)
+def _target(args: argparse.Namespace) -> Target:
+    settings = config.resolve(url=args.url, token=args.token, project=args.project)
+    return Target(settings.url, token=settings.token, name=args.run, run_id=args.run_id,
+                  project=settings.project)  # fmt: skip
 
 
 def _needs_agent(command: str) -> int:
@@ -66,11 +69,9 @@ def cmd_import(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - depends on the install
         return _needs_agent("import")
 
-    settings = _resolved(args)
+    target = _target(args)
     try:
-        report = import_logs(args.files, url=settings.url, fmt=args.format, name=args.run,
-                             run_id=args.run_id, project=settings.project,
-                             token=settings.token, offline_file=args.offline)  # fmt: skip
+        report = import_logs(args.files, target, fmt=args.format, offline_file=args.offline)
     except (LogParseError, OSError) as exc:
         print(f"ampwatch import: {exc}; nothing was sent", file=sys.stderr)
         return 2
@@ -81,7 +82,7 @@ def cmd_import(args: argparse.Namespace) -> int:
         print(f"batches written to {args.offline}; send them with: ampwatch upload {args.offline}")
         return 0
     up = report.upload
-    print(f"-> {settings.url}: {up.stored} batches stored, {up.duplicates} already there, "
+    print(f"-> {target.url}: {up.stored} batches stored, {up.duplicates} already there, "
           f"{up.rejected} rejected, {up.unsent} not sent"
           + ("" if up.complete else " (run the same import again to finish it)"))  # fmt: skip
     return 0 if up.complete else 1
@@ -93,10 +94,8 @@ def cmd_follow(args: argparse.Namespace) -> int:
     except ImportError:  # pragma: no cover - depends on the install
         return _needs_agent("follow")
 
-    settings = _resolved(args)
-    follower = Follower(args.file, url=settings.url, fmt=args.format, name=args.run,
-                        run_id=args.run_id, project=settings.project, token=settings.token,
-                        from_end=args.from_end)  # fmt: skip
-    print(f"following {args.file} into run {follower.client_run_id()} at {settings.url} "
+    target = _target(args)
+    follower = Follower(args.file, target, fmt=args.format, from_end=args.from_end)
+    print(f"following {args.file} into run {follower.client_run_id()} at {target.url} "
           "(Ctrl-C stops)", flush=True)  # fmt: skip
     return follow(follower, poll_interval=args.poll)

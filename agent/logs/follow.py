@@ -27,7 +27,7 @@ from types import FrameType
 
 from ampwatch.agent import wire
 from ampwatch.agent.logs.detect import SNIFF_LINES, detect_format, make_parser
-from ampwatch.agent.logs.records import derived_id, event, run_start, step_sample
+from ampwatch.agent.logs.records import Target, derived_id, event, run_start, step_sample
 from ampwatch.agent.logs.series import Checkpoint, Entry, LogStep, Parser, Restart
 from ampwatch.agent.logs.tail import LogTail
 from ampwatch.agent.spool import default_spool_dir
@@ -42,20 +42,16 @@ class Follower:
     """Reads what is new in the log at each `tick()` and hands it to the senders; never
     blocks on the network (the senders' threads do that).
 
-    >>> follower = Follower("train.log", url="http://127.0.0.1:8765")  # doctest: +SKIP
+    >>> follower = Follower("train.log", Target("http://127.0.0.1:8765"))  # doctest: +SKIP
     >>> follower.tick(); follower.close()  # doctest: +SKIP
     """
 
     def __init__(
         self,
         path: str | os.PathLike[str],
+        target: Target,
         *,
-        url: str,
         fmt: str = "auto",
-        name: str | None = None,
-        run_id: str | None = None,
-        project: str | None = None,
-        token: str | None = None,
         transport: Transport | None = None,
         spool_dir: str | os.PathLike[str] | None = None,
         flush_interval: float = 1.0,
@@ -69,12 +65,12 @@ class Follower:
         self._parser: Parser | None = None if fmt == "auto" else make_parser(fmt)
         self._sniffed: list[tuple[int, str]] = []
         self._number = 0
-        self._base_id = run_id or derived_id("ampwatch-follow", str(self.path.resolve()))
-        self._name = name or self.path.stem
-        self._project = project
-        self._token = token
-        self._url = url
-        self._transport = transport or http_transport(url)
+        self._base_id = target.run_id or derived_id("ampwatch-follow", str(self.path.resolve()))
+        self._name = target.name or self.path.stem
+        self._project = target.project
+        self._token = target.token
+        self._url = target.url
+        self._transport = transport or http_transport(target.url)
         self._spool_dir = spool_dir
         self._flush_interval = flush_interval
         self._log = log

@@ -28,7 +28,7 @@ from pathlib import Path
 
 from ampwatch.agent import wire
 from ampwatch.agent.logs.detect import detect_format, make_parser
-from ampwatch.agent.logs.records import derived_id, event, run_start, wire_step
+from ampwatch.agent.logs.records import Target, derived_id, event, run_start, wire_step
 from ampwatch.agent.logs.series import Checkpoint, Entry, LogParseError, LogStep, Restart
 from ampwatch.agent.spool import encode_frame
 from ampwatch.agent.upload import UploadReport, upload
@@ -227,31 +227,27 @@ class ImportReport:
 
 def import_logs(
     paths: list[str],
+    target: Target,
     *,
-    url: str,
     fmt: str = "auto",
-    name: str | None = None,
-    run_id: str | None = None,
-    project: str | None = None,
-    token: str | None = None,
     offline_file: str | None = None,
     log: Callable[[str], None] = print,
 ) -> ImportReport:
-    """Parse every file, then send the runs to `url` (or only write `offline_file`).
+    """Parse every file, then send the runs to `target` (or only write `offline_file`).
 
-    >>> import_logs(["train.log"], url="http://127.0.0.1:8765").upload.stored  # doctest: +SKIP
+    >>> import_logs(["train.log"], Target("http://127.0.0.1:8765")).upload.stored  # doctest: +SKIP
     100
     """
     logs = [parse_file(path, fmt) for path in paths]
     for parsed in logs:
         log(f"{parsed.path}: format {parsed.format} ({parsed.reason}); "
             f"{len(parsed.steps)} steps, {len(parsed.checkpoints)} checkpoints")  # fmt: skip
-    runs = plan_runs(logs, name=name, run_id=run_id)
+    runs = plan_runs(logs, name=target.name, run_id=target.run_id)
     report = ImportReport(logs, runs)
-    bodies = (body for run in runs for body in batches(run, logs[0].format, project))
+    bodies = (body for run in runs for body in batches(run, logs[0].format, target.project))
     if offline_file is not None:
         with open(offline_file, "ab") as out:
             out.writelines(encode_frame(body) for body in bodies)
     else:
-        report.upload = send(bodies, url, token=token, log=log)
+        report.upload = send(bodies, target.url, token=target.token, log=log)
     return report

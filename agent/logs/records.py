@@ -6,11 +6,24 @@ from __future__ import annotations
 import hashlib
 import socket
 import time
+from dataclasses import dataclass
 from typing import Any
 
 from ampwatch.agent import wire
 from ampwatch.agent.logs.series import LogStep
 from ampwatch.agent.records import StepSample, step_record
+
+
+@dataclass(frozen=True, slots=True)
+class Target:
+    """Where a log's run goes and as what: the collector, its token, and the run's name,
+    client id (None: derived from the log) and project (None: the token's)."""
+
+    url: str
+    token: str | None = None
+    name: str | None = None
+    run_id: str | None = None
+    project: str | None = None
 
 
 def step_sample(step: LogStep) -> StepSample:

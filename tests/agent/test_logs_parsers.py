@@ -61,7 +61,8 @@ def test_megatron_deepspeed_overflow_lines_skip_whatever_the_counter_says() -> N
 
 def test_megatron_repeated_grad_norm_and_missing_lm_loss_on_a_skipped_iteration() -> None:
     div = by_step("real_logs/tr8-104B-exp12-divergence.log")
-    last = div[9027]  # "loss scale: 8192.0 | grad norm: 20609.780" (the 9026 norm again), no lm loss
+    # 9027: "loss scale: 8192.0 | grad norm: 20609.780" (the 9026 norm again), no lm loss
+    last = div[9027]
     assert last.loss is None and last.grad_norm is None
     assert last.skipped and last.loss_scale == 16384.0  # attempted at the scale before the fall
     assert div[9026].grad_norm == pytest.approx(20609.780) and not div[9026].skipped
@@ -124,7 +125,7 @@ def test_deepspeed_bare_overflow_lines_hysteresis_and_copies() -> None:
     parser = make_parser("deepspeed")
     line = ("[INFO] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 4096, "
             "reducing to 2048")  # fmt: skip
-    floor = "[INFO] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1"
+    floor = "[INFO] [deepspeed] OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 1, reducing to 1"  # fmt: skip
     for number, text in enumerate([line, line, floor, floor], 1):
         parser.feed(text, number)
     out = [e for e in parser.finish() if isinstance(e, LogStep)]

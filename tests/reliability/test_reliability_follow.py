@@ -54,15 +54,17 @@ def test_follow_delivers_every_step_once_across_a_killed_collector(  # type: ign
             out.flush()
             # the training process restarts from its checkpoint at 200 and appends
             out.write("using world size: 8, data-parallel size: 8\n")
-            out.writelines(t for t in gen.megatron_lines(201, 300, seed=1) if t.startswith(" iteration "))
+            out.writelines(
+                t for t in gen.megatron_lines(201, 300, seed=1) if t.startswith(" iteration ")
+            )
         spool = tmp_path / "spool"
         wait_for(lambda: any(spool.rglob("*.spool")), 60, "the follower to spool")
         collector = collector_process(workers=1, port=port)
         wait_for(lambda: steps() == 300, 120, "every step after the restart")
     finally:
         follower.send_signal(signal.SIGINT)
-        rc = follower.wait(timeout=60)
-        output = follower.stdout.read().decode() if follower.stdout else ""
+        raw, _ = follower.communicate(timeout=60)  # waits, and closes its pipe
+        rc, output = follower.returncode, raw.decode()
     assert rc == 0, output
     assert "a new process" in output and "steps sent" in output, output
     assert steps() == 300  # 1..300 once: the second process's 201..250 overwrote the first's

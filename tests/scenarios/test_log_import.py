@@ -13,7 +13,7 @@ import sqlalchemy as sa
 from real_logs import CORPUS, load_excerpt, replay
 from scenario_catalog import find_run
 
-from ampwatch.agent.logs import LogParseError, import_logs
+from ampwatch.agent.logs import LogParseError, Target, import_logs
 from ampwatch.server.cli import main
 
 FORMATS = Path(__file__).resolve().parents[1] / "data" / "log_formats"
@@ -44,8 +44,8 @@ def test_import_fires_the_alerts_that_record_fires(name: str, live_collector, tm
     excerpt = load_excerpt(CORPUS / f"{name}.log")
     recorded = replay(excerpt, live_collector.url, project="recorded")
     log = _without_header(CORPUS / f"{name}.log", tmp_path)
-    report = import_logs([str(log)], url=live_collector.url, fmt="auto", project="imported",
-                         log=lambda _: None)  # fmt: skip
+    target = Target(live_collector.url, project="imported")
+    report = import_logs([str(log)], target, fmt="auto", log=lambda _: None)
     assert report.upload is not None and report.upload.complete
     with httpx.Client(base_url=live_collector.url, timeout=30) as api:
         by_record = _alerts(api, recorded)
@@ -56,7 +56,7 @@ def test_import_fires_the_alerts_that_record_fires(name: str, live_collector, tm
 
 def test_two_engines_import_as_two_runs_with_their_own_alerts(live_collector) -> None:  # type: ignore[no-untyped-def]
     report = import_logs([str(FORMATS / "deepspeed-chat-rlhf-actor-critic.log")],
-                         url=live_collector.url, name="rlhf", log=lambda _: None)  # fmt: skip
+                         Target(live_collector.url, name="rlhf"), log=lambda _: None)  # fmt: skip
     assert sorted(r.name for r in report.runs) == ["rlhf-actor", "rlhf-critic"]
     with httpx.Client(base_url=live_collector.url, timeout=30) as api:
         for run in report.runs:
@@ -100,4 +100,4 @@ def test_an_unparseable_log_stores_nothing(live_collector, tmp_path, capsys) -> 
     assert f"{log}:4:" in err and "lm loss" in err and "nothing was sent" in err
     assert _counts(live_collector.database_url) == (0, 0, 0)
     with pytest.raises(LogParseError):
-        import_logs([str(log)], url=live_collector.url, log=lambda _: None)
+        import_logs([str(log)], Target(live_collector.url), log=lambda _: None)
