@@ -1,5 +1,6 @@
 """The `ampwatch` command: `serve`, `demo`, `db upgrade|downgrade`, `token create|list|revoke`,
-`upload`, `restart-candidates`, `webhook add|list|remove|test`.
+`upload`, `import`, `follow` (training logs: `ampwatch.agent.logs.cli`), `restart-candidates`,
+`webhook add|list|remove|test`.
 
 argparse rather than a CLI framework: four subcommands do not justify a dependency, and
 the collector host installs as little as possible.
@@ -418,6 +419,10 @@ def build_parser() -> argparse.ArgumentParser:
     upload.add_argument("--url", help="collector URL (AMPWATCH_URL, default http://127.0.0.1:8765)")
     upload.add_argument("--token", help="project token (AMPWATCH_TOKEN)")
     upload.set_defaults(func=cmd_upload)
+
+    from ampwatch.agent.logs.cli import add_log_commands
+
+    add_log_commands(sub)  # import, follow
 
     def add_api(p: argparse.ArgumentParser) -> None:
         p.add_argument("--url", help="collector URL (AMPWATCH_URL, default http://127.0.0.1:8765)")

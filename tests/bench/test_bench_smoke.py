@@ -42,3 +42,15 @@ def test_detection_bench_runs_and_reports() -> None:
     assert done.returncode == 0, done.stdout + done.stderr  # 1: a bar was missed
     assert "healthy_bf16" in done.stdout and "nan_loss" in done.stdout, done.stdout
     assert "bars:" in done.stdout, done.stdout
+
+
+def test_import_bench_runs_and_reports() -> None:
+    """bench/import.py --quick: a 20,000-iteration log imported, 4 s of follow at 1,000/s."""
+    done = subprocess.run(
+        [sys.executable, str(BENCH / "import.py"), "--quick"],
+        capture_output=True, text=True, timeout=180, check=False,
+    )  # fmt: skip
+    assert done.returncode in (0, 1), done.stderr  # 1: a bar missed on a loaded machine
+    assert "Traceback" not in done.stderr
+    assert "20,000 steps stored" in done.stdout, done.stdout  # nothing lost, whatever the speed
+    assert "(yes)" in done.stdout and "exit 0 on SIGINT" in done.stdout, done.stdout

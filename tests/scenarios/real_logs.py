@@ -6,24 +6,9 @@ excerpt keeps its provenance in its `#` header; `labels.json` says only what the
 says happened (an incident with the latest step a monitor may fire, a healthy run, or a
 transient that the source says recovered) and marks every inference as one.
 
-The parsers are deliberately small (a separate issue builds the user-facing
-`ampwatch import`); what each one infers is said in its docstring:
-
-- ``megatron``: Megatron-LM / Megatron-DeepSpeed ``iteration N/ M | ... lm loss: ... |
-  loss scale: ... | grad norm: ...`` lines, and DeepSpeed's ``OVERFLOW! ... Attempted loss
-  scale: A, reducing to B`` lines printed during the next iteration (Megatron-DeepSpeed logs
-  "number of skipped iterations: 0" while DeepSpeed owns the scaler and skips).
-- ``deepspeed``: bare DeepSpeed OVERFLOW lines, one skipped step each, numbered from 1.
-- ``deepspeed-tqdm``: the HF Trainer's progress counter (``N/TOTAL [``) with DeepSpeed's
-  OVERFLOW lines and the Trainer's ``{'loss': ...}`` logs.
-- ``fairseq``: ``num_updates`` lines (train / train_inner / epoch summaries) and
-  ``overflow detected, setting loss scale to: X`` lines; checkpoints from ``saved
-  checkpoint ... (epoch E @ N updates``.
-- ``deepspeed-engine``: a DeepSpeed engine's own log, trimmed to its ``step=N, skipped=K``
-  lines, its overflow lines and (FP16_Optimizer) ``Grad overflow on iteration N`` /
-  ``Increasing dynamic loss scale`` lines: every attempt 1..N is a step, at the scale
-  DeepSpeed's dynamic scaler had (the ``# scaler:`` header says its settings).
-- ``apex``: ``Gradient overflow. Skipping step, loss scaler 0 reducing loss scale to X``.
+The excerpts are parsed by the package's own parsers (`ampwatch.agent.logs`, what
+`ampwatch import` runs); each parser's docstring says what it infers. The corpus' `# format:`
+header names the shape of the excerpt; `FORMAT_NAMES` maps it to the parser.
 """
 
 from __future__ import annotations
@@ -37,18 +22,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from ampwatch.agent.logs.importer import iter_lines, parse_lines
+from ampwatch.agent.logs.series import NUMBER, Checkpoint, LogStep
+
 CORPUS = Path(__file__).resolve().parents[1] / "data" / "real_logs"
 
 
-@dataclass
-class Step:
-    """One optimizer step (or attempt) as a log shows it; None = the log does not say."""
-
-    step: int
-    loss: float | None = None
-    loss_scale: float | None = None
-    skipped: bool = False
-    grad_norm: float | None = None
+#: One optimizer step (or attempt) as a log shows it; None = the log does not say.
+Step = LogStep
 
 
 @dataclass
@@ -76,272 +57,32 @@ class Label:
     onset_step: int | None = None
 
 
-_NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|inf)"
-_OVERFLOW = re.compile(
-    r"OVERFLOW! Rank 0 Skipping step\. Attempted loss scale: "
-    + _NUMBER
-    + r"(?:, reducing to "
-    + _NUMBER
-    + r"|, but hysteresis)"
-)
-
-
-def _field(line: str, name: str, sep: str = ":") -> float | None:
-    match = re.search(re.escape(name) + r"\s*" + re.escape(sep) + r"\s*" + _NUMBER, line)
-    return float(match.group(1)) if match else None
-
-
-def _megatron(lines: list[str]) -> list[Step]:
-    """Iteration lines; an OVERFLOW line marks the next iteration skipped, at the scale it
-    attempted. Inferences: on a skipped iteration the logged grad norm repeats the last
-    applied one (it is dropped); "grad norm: 0.000" (older Megatron-DeepSpeed without the
-    norm) is not measured; a missing "lm loss" (Megatron prints only a positive average,
-    so NaN or no applied iteration) is not measured; "number of skipped iterations: N" > 0
-    on a line covering a log interval marks that line's step skipped; a scale logged lower
-    than the previous (consecutive) iteration's marks a skip at the previous scale."""
-    steps: list[Step] = []
-    attempted: float | None = None
-    previous: float | None = None  # the last line's logged scale (after its update)
-    for line in lines:
-        if (match := _OVERFLOW.search(line)) is not None:
-            attempted = float(match.group(1))
-            continue
-        it = re.search(r"iteration\s+(\d+)/", line)
-        if it is None or "lm loss value" in line:
-            continue
-        skips = _field(line, "number of skipped iterations") or 0.0
-        norm = _field(line, "grad norm")
-        step = Step(int(it.group(1)), loss=_field(line, "lm loss"),
-                    loss_scale=_field(line, "loss scale"), skipped=skips > 0,
-                    grad_norm=norm if norm else None)  # fmt: skip
-        logged = step.loss_scale
-        if attempted is not None:
-            step.skipped, step.loss_scale, step.grad_norm = True, attempted, None
-            attempted = None
-        elif (
-            steps
-            and steps[-1].step == step.step - 1
-            and logged is not None
-            and previous is not None
-            and logged < previous
-        ):
-            # A scale logged lower than the previous iteration's: DeepSpeed halved it on
-            # an overflow of this iteration (inference; its OVERFLOW line is not excerpted).
-            step.skipped, step.loss_scale, step.grad_norm = True, previous, None
-        previous = logged
-        steps.append(step)
-    return steps
-
-
-def _deepspeed(lines: list[str]) -> list[Step]:
-    """Inference: each OVERFLOW line is one skipped step, and the lines are consecutive
-    steps from 1 (the excerpts are a run's first lines; no step numbers are logged)."""
-    out = []
-    for line in lines:
-        if (match := _OVERFLOW.search(line)) is not None:
-            out.append(Step(len(out) + 1, loss_scale=float(match.group(1)), skipped=True))
-    return out
-
-
-def _deepspeed_tqdm(lines: list[str]) -> list[Step]:
-    """The progress counter N is printed after step N: an OVERFLOW line printed after
-    counter N (or before the first counter) belongs to step N + 1 (or to that counter).
-    A step's loss scale is the one it attempted, else the last one DeepSpeed reduced to;
-    before the first OVERFLOW line the log does not say (None). The Trainer's
-    ``{'loss': x}`` (an average since its last log) goes to the last counted step."""
-    by_step: dict[int, Step] = {}
-    last: int | None = None
-    scale: float | None = None
-    pending: float | None = None  # attempted scale of an OVERFLOW before the first counter
-    for line in lines:
-        if line.startswith("#"):
-            continue
-        for token in re.finditer(r"(\d+)/\d+ \[|" + _OVERFLOW.pattern + r"|\{'loss': " + _NUMBER,
-                                 line):  # fmt: skip
-            text = token.group(0)
-            if text.endswith("["):
-                n = int(token.group(1))
-                if n not in by_step:
-                    by_step[n] = Step(n, loss_scale=scale)
-                if pending is not None:
-                    by_step[n].skipped, by_step[n].loss_scale = True, pending
-                    pending = None
-                last = n
-            elif text.startswith("{'loss'"):
-                if last is not None:
-                    by_step[last].loss = float(token.group(token.lastindex or 0))
-            else:
-                match = _OVERFLOW.search(text)
-                assert match is not None
-                attempted = float(match.group(1))
-                reduced = match.group(2)
-                scale = float(reduced) if reduced is not None else attempted
-                if last is None:
-                    pending = attempted
-                else:
-                    by_step[last + 1] = Step(last + 1, loss_scale=attempted, skipped=True)
-    if pending is not None:
-        by_step[1] = Step(1, loss_scale=pending, skipped=True)
-    return [by_step[n] for n in sorted(by_step)]
-
-
-def _fairseq(lines: list[str], checkpoints: list[tuple[int, str]]) -> list[Step]:
-    """fairseq does not count an overflowed update in num_updates, so a step here is an
-    attempt: num_updates plus the overflows logged so far (inference: each overflow line is
-    the attempt after the last one logged). An overflow line before any numbered line has
-    no place and is dropped. loss_scale is printed to 3 decimals: a printed 0 is a value
-    rounded away (not measured); otherwise the exact value of the last overflow line is
-    used where it rounds to the printed one. An overflow attempt ran at twice the scale it
-    set (fairseq's scale factor 2)."""
-    steps: list[Step] = []
-    skips = 0
-    exact: float | None = None
-    for line in lines:
-        match = re.search(r"overflow detected, setting loss scale to: " + _NUMBER, line)
-        if match is not None:
-            new = float(match.group(1))
-            exact = new
-            if steps:
-                skips += 1
-                steps.append(Step(steps[-1].step + 1, loss_scale=2 * new, skipped=True))
-            continue
-        saved = re.search(r"saved checkpoint (\S+) \(epoch \d+ @ (\d+) updates", line)
-        if saved is not None:
-            checkpoints.append((int(saved.group(2)) + skips, saved.group(1)))
-            continue
-        if "valid on" in line:
-            continue
-        if (js := re.search(r"\{.*\}", line)) is not None and '"train_num_updates"' in line:
-            # fairseq's JSON log format: {"train_loss": "816.933", "train_num_updates": ...}
-            values = json.loads(js.group(0))
-            line = " | ".join(f"{k.removeprefix('train_')} {v}" for k, v in values.items())
-        updates = _field(line, "num_updates", "=") or _field(line, "num_updates", "")
-        if updates is None:
-            continue
-        printed = _field(line, "loss_scale", "=")
-        if printed is None:
-            printed = _field(line, "loss_scale", "")
-        scale: float | None = printed
-        if printed is not None and exact is not None and abs(round(exact, 3) - printed) < 1e-9:
-            scale = exact
-        if printed == 0:
-            scale = None
-        loss = _field(line, "loss", "=")
-        if loss is None:
-            loss = _field(line, "| loss", "")
-        if loss is None and line.startswith("epoch "):
-            loss = _field(line, "loss", "")
-        norm = _field(line, "gnorm", "=") or _field(line, "gnorm", "")
-        step = int(updates) + skips
-        if steps and step <= steps[-1].step:
-            continue  # an epoch summary repeating the last train_inner step
-        steps.append(Step(step, loss=loss, loss_scale=scale, grad_norm=norm))
-    return steps
-
-
-_STAMP = r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]"
-
-
-def _seconds(match: re.Match[str]) -> float:
-    from datetime import datetime
-
-    when = datetime.strptime(match.group(1), "%Y-%m-%d %H:%M:%S")
-    return when.timestamp() + int(match.group(2)) / 1000
-
-
-def _deepspeed_engine(lines: list[str], scaler: dict[str, float]) -> list[Step]:
-    """Every attempt from 1 to the last ``step=N`` line (DeepSpeed's global step counts
-    skipped attempts too; ``skipped=K`` counts them). A skipped attempt is exact where
-    FP16_Optimizer logs ``Grad overflow on iteration i`` (attempt i + 1); otherwise
-    (inference) each overflow line is placed by its time stamp between the two ``step=``
-    lines around it, at the interval's mean time per attempt. The scale between overflows
-    is DeepSpeed's DynamicLossScaler replayed with the ``# scaler:`` settings (halve on an
-    overflow once hysteresis is spent, double after ``scale_window`` clean attempts); the
-    test checks that the replay attempts every overflow at the scale the log prints."""
-    marks: list[tuple[int, float]] = []  # (attempt, time) of each step=N line
-    overflow_times: list[float] = []
-    exact: set[int] = set()
-    for line in lines:
-        stamp = re.match(_STAMP, line)
-        if (m := re.search(r"step=(\d+), skipped=(\d+)", line)) and stamp:
-            marks.append((int(m.group(1)), _seconds(stamp)))
-        elif (m := re.match(r"Grad overflow on iteration (\d+)", line)) is not None:
-            exact.add(int(m.group(1)) + 1)
-        elif "Skipping step" in line and stamp:
-            overflow_times.append(_seconds(stamp))
-    skipped = set(exact)
-    if not exact:
-        for t in overflow_times:
-            after = next((i for i, (_, tm) in enumerate(marks) if tm >= t), len(marks) - 1)
-            hi_step, hi_t = marks[after]
-            lo_step, lo_t = marks[after - 1] if after > 0 else (0, None)
-            per = (hi_t - lo_t) / (hi_step - lo_step) if lo_t is not None else None
-            if per is None and after + 1 < len(marks):
-                per = (marks[after + 1][1] - hi_t) / (marks[after + 1][0] - hi_step)
-            guess = hi_step - round((hi_t - t) / per) if per else hi_step
-            guess = min(max(guess, lo_step + 1), hi_step)
-            while guess in skipped and guess < hi_step:
-                guess += 1
-            while guess in skipped:
-                guess -= 1
-            skipped.add(guess)
-    scale, window = scaler["init_scale"], int(scaler["scale_window"])
-    shift = int(scaler.get("delayed_shift", 1))
-    hysteresis, last_overflow = shift, 0
-    steps = []
-    for attempt in range(1, marks[-1][0] + 1 if marks else 1):
-        steps.append(Step(attempt, loss_scale=scale, skipped=attempt in skipped))
-        if attempt in skipped:
-            if shift == 1 or hysteresis == 1:
-                scale = max(scale / 2, scaler.get("min_scale", 1.0))
-            else:
-                hysteresis -= 1
-            last_overflow = attempt
-        elif (attempt - last_overflow) % window == 0:
-            hysteresis = shift
-            scale *= 2
-    return steps
-
-
-def _apex(lines: list[str]) -> list[Step]:
-    """Inference: consecutive steps from 1 (apex logs no step), each attempted at twice
-    the scale it reduced to (apex's backoff factor 2)."""
-    out = []
-    for line in lines:
-        match = re.search(r"reducing loss scale to " + _NUMBER, line)
-        if match is not None:
-            out.append(Step(len(out) + 1, loss_scale=2 * float(match.group(1)), skipped=True))
-    return out
-
-
 def load_excerpt(path: Path) -> Excerpt:
-    text = path.read_text(encoding="utf-8").splitlines()
-    header = {m.group(1): m.group(2) for line in text
+    """Parse an excerpt with the package's parser for its `# format:` (`ampwatch import`'s
+    own code). The `# ` provenance header is not part of the log and is left out, but for
+    a `# scaler:` line, which the DeepSpeed parser reads (its docstring)."""
+    data = path.read_bytes()
+    header = {m.group(1): m.group(2) for line in data.decode("utf-8").splitlines()
               if (m := re.match(r"# (\w+): (.*)", line))}  # fmt: skip
-    fmt = header["format"]
-    lines = [line for line in text if not line.startswith("# ")]
-    checkpoints: list[tuple[int, str]] = []
-    parse: dict[str, Callable[[list[str]], list[Step]]] = {
-        "megatron": _megatron,
-        "deepspeed": _deepspeed,
-        "deepspeed-tqdm": _deepspeed_tqdm,
-        "apex": _apex,
-        "fairseq": lambda ls: _fairseq(ls, checkpoints),
-        "deepspeed-engine": lambda ls: _deepspeed_engine(ls, _settings(header["scaler"])),
-    }
-    steps = parse[fmt](lines)
-    return Excerpt(path.stem, fmt, header["source"], steps, checkpoints)
+    lines = [(n, text) for n, text in iter_lines(data)
+             if not text.startswith("# ") or text.startswith("# scaler:")]  # fmt: skip
+    fmt = FORMAT_NAMES[header["format"]]
+    _, _, entries = parse_lines(lines, fmt, str(path))
+    steps = [e for e in entries if isinstance(e, Step)]
+    checkpoints = [(e.step, e.path) for e in entries if isinstance(e, Checkpoint)]
+    return Excerpt(path.stem, header["format"], header["source"], steps, checkpoints)
 
 
-def _settings(text: str) -> dict[str, float]:
-    """``init_scale=65536 scale_window=100`` -> {"init_scale": 65536.0, ...}."""
-    return {k: float(v) for k, v in (item.split("=") for item in text.split())}
+#: The corpus' `# format:` names (which say what shape of log an excerpt is) -> the
+#: package's `--format` names.
+FORMAT_NAMES = {"megatron": "megatron", "deepspeed": "deepspeed", "deepspeed-tqdm": "hf",
+                "deepspeed-engine": "deepspeed", "fairseq": "fairseq", "apex": "apex"}  # fmt: skip
 
 
 def logged_attempts(path: Path) -> list[float]:
     """The scales a DeepSpeed log says its overflowed attempts ran at, in order (to check
     the parser's replay of the scaler against)."""
-    pattern = re.compile(r"Attempted loss scale: " + _NUMBER)
+    pattern = re.compile(r"Attempted loss scale: " + NUMBER)
     return [float(m.group(1)) for line in path.read_text(encoding="utf-8").splitlines()
             if (m := pattern.search(line))]  # fmt: skip
 

@@ -1,0 +1,253 @@
+"""`ampwatch import`: parse whole logs first, then send them as the agent would.
+
+Nothing is sent until every file has parsed: a line that does not read stops the import
+with its file and line number, and the collector never sees half a log. The batches are
+then cut deterministically (the run id from the files' bytes, one stream per process, seq
+from 0, `BATCH_STEPS` steps a batch), framed as in the agent's offline files and sent
+by `ampwatch upload`'s loop (`send`): importing the same files again re-sends the same (run,
+stream, seq), which the collector acknowledges as duplicates, storing nothing twice; an
+import cut short by an outage is completed by running it again.
+
+Each file is one process of the run (a job's log), and so is each restart inside a file
+(`Restart`); a file with two engines (DeepSpeed-Chat's actor and critic) becomes two runs,
+`NAME-actor` and `NAME-critic`.
+"""
+
+from __future__ import annotations
+
+import gzip
+import hashlib
+import json
+import os
+import queue
+import tempfile
+import threading
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from ampwatch.agent import wire
+from ampwatch.agent.logs.detect import detect_format, make_parser
+from ampwatch.agent.logs.records import Target, derived_id, event, run_start, wire_step
+from ampwatch.agent.logs.series import Checkpoint, Entry, LogParseError, LogStep, Restart
+from ampwatch.agent.spool import encode_frame
+from ampwatch.agent.upload import UploadReport, upload
+
+#: Steps per batch: well under the collector's 50,000 records, large enough that a
+#: million-step log is 100 requests.
+BATCH_STEPS = 10_000
+
+
+@dataclass
+class ParsedLog:
+    """One file, parsed: its format (and why auto chose it), entries in log order."""
+
+    path: str
+    format: str
+    reason: str
+    entries: list[Entry]
+    digest: str
+
+    @property
+    def steps(self) -> list[LogStep]:
+        return [e for e in self.entries if isinstance(e, LogStep)]
+
+    @property
+    def checkpoints(self) -> list[Checkpoint]:
+        return [e for e in self.entries if isinstance(e, Checkpoint)]
+
+
+def iter_lines(data: bytes, path: str = "") -> Iterator[tuple[int, str]]:
+    """(1-based number, text) per line; `\\r\\n` endings lose their `\\r` (a lone `\\r`, a
+    tqdm redraw, stays). Bytes that are not UTF-8 name their line."""
+    for number, raw in enumerate(data.split(b"\n"), 1):
+        if raw.endswith(b"\r"):
+            raw = raw[:-1]
+        try:
+            yield number, raw.decode("utf-8")
+        except UnicodeDecodeError as exc:
+            text = raw.decode("utf-8", errors="replace")
+            raise LogParseError(number, text, f"not UTF-8 ({exc.reason})", path) from None
+
+
+def parse_lines(
+    lines: list[tuple[int, str]], fmt: str, path: str = ""
+) -> tuple[str, str, list[Entry]]:
+    """Parse numbered lines with `fmt` ("auto": detected); (format, reason, entries)."""
+    reason = f"--format {fmt}"
+    if fmt == "auto":
+        try:
+            fmt, reason = detect_format(text for _, text in lines)
+        except ValueError as exc:
+            first = next(((n, t) for n, t in lines if t.strip()), (1, ""))
+            raise LogParseError(first[0], first[1], str(exc), path) from None
+    parser = make_parser(fmt)
+    entries: list[Entry] = []
+    try:
+        for number, text in lines:
+            entries += parser.feed(text, number)
+        entries += parser.finish()
+    except LogParseError as exc:
+        raise LogParseError(exc.line, exc.text, exc.why, path) from None
+    if parser.recognised == 0 or not any(isinstance(e, LogStep) for e in entries):
+        first = next(((n, t) for n, t in lines if t.strip()), (1, ""))
+        raise LogParseError(first[0], first[1], f"no line reads as a {fmt} log step", path)
+    return fmt, reason, entries
+
+
+def parse_file(path: str | os.PathLike[str], fmt: str = "auto") -> ParsedLog:
+    """Parse one log file completely (raises LogParseError naming the line).
+
+    >>> parse_file("train.log").format  # doctest: +SKIP
+    'megatron'
+    """
+    data = Path(path).read_bytes()
+    lines = list(iter_lines(data, os.fspath(path)))
+    chosen, reason, entries = parse_lines(lines, fmt, os.fspath(path))
+    return ParsedLog(os.fspath(path), chosen, reason, entries, hashlib.sha256(data).hexdigest())
+
+
+@dataclass
+class ImportedRun:
+    """A run as it will be sent: its processes, each a list of entries."""
+
+    client_run_id: str
+    name: str
+    processes: list[tuple[str, str, list[Entry]]] = field(
+        default_factory=list
+    )  # (file, why, entries)
+
+    @property
+    def steps(self) -> int:
+        return sum(isinstance(e, LogStep) for _, _, p in self.processes for e in p)
+
+
+def plan_runs(logs: list[ParsedLog], *, name: str | None = None,
+              run_id: str | None = None) -> list[ImportedRun]:  # fmt: skip
+    """The runs, and their processes, that `logs` (one run's files, in order) hold."""
+    base_id = run_id or derived_id("ampwatch-import", *(log.digest for log in logs))
+    base_name = name or Path(logs[0].path).stem
+    runs: dict[str, ImportedRun] = {}
+    for log in logs:
+        engines = sorted({e.engine for e in log.entries if isinstance(e, (LogStep, Checkpoint))})
+        for engine in engines:
+            key = engine or ""
+            if key not in runs:
+                rid = base_id if not key else derived_id(base_id, key)
+                runs[key] = ImportedRun(rid, f"{base_name}-{key}" if key else base_name)
+            current: list[Entry] = []
+            why = "log file"
+            for entry in log.entries:
+                if isinstance(entry, Restart):
+                    if current:
+                        runs[key].processes.append((log.path, why, current))
+                    current, why = [], f"restart at line {entry.line}: {entry.reason}"
+                elif entry.engine == key:
+                    current.append(entry)
+            if current:
+                runs[key].processes.append((log.path, why, current))
+    return list(runs.values())
+
+
+def batches(run: ImportedRun, log_format: str, project: str | None) -> Iterator[bytes]:
+    """The run's gzip JSON batches, cut deterministically (see the module docstring)."""
+    ref: wire.RunRef = {"client_run_id": run.client_run_id, "name": run.name}
+    if project is not None:
+        ref["project"] = project
+    for index, (path, why, entries) in enumerate(run.processes):
+        stream = derived_id(run.client_run_id, "process", str(index))
+        pending: list[wire.EventRecord] = [run_start(log_format, path, index, why)]
+        steps: list[wire.StepRecord] = []
+        seq = 0
+        last = index == len(run.processes) - 1
+        for entry in entries:
+            if isinstance(entry, LogStep):
+                steps.append(wire_step(entry))
+            elif isinstance(entry, Checkpoint):
+                pending.append(event("checkpoint", entry.step, {"path": entry.path}))
+            if len(steps) >= BATCH_STEPS:
+                yield _body(ref, stream, seq, steps, pending)
+                seq, steps, pending = seq + 1, [], []
+        if last:
+            end_step = next((e.step for e in reversed(entries) if isinstance(e, LogStep)), None)
+            pending.append(event("run_end", end_step, {"reason": "the imported log ends"}))
+        if steps or pending:
+            yield _body(ref, stream, seq, steps, pending)
+
+
+def _body(ref: wire.RunRef, stream: str, seq: int, steps: list[wire.StepRecord],
+          events: list[wire.EventRecord]) -> bytes:  # fmt: skip
+    batch: wire.Batch = {"wire_version": wire.WIRE_VERSION, "run": ref, "stream": stream,
+                         "seq": seq, "steps": steps, "layer_stats": [], "events": events,
+                         "dropped": {}}  # fmt: skip
+    return gzip.compress(json.dumps(batch, allow_nan=False).encode(), compresslevel=1)
+
+
+def send(bodies: Iterator[bytes], url: str, *, token: str | None = None,
+         log: Callable[[str], None] = print) -> UploadReport:  # fmt: skip
+    """Send `bodies` in order, each through `ampwatch upload`'s loop (its retries and its
+    duplicate counting), while this thread builds the next ones: building a batch (JSON,
+    gzip) overlaps the collector storing the previous one. Stops at the first batch that
+    is not delivered; the rest count as unsent."""
+    total = UploadReport()
+    ready: queue.Queue[Path | None] = queue.Queue(maxsize=4)
+    built = 0
+
+    def post_in_order() -> None:
+        while (path := ready.get()) is not None:
+            if total.complete:
+                part = upload(path, url, token=token, log=log)
+                for name in ("stored", "duplicates", "rejected", "corrupt", "unsent"):
+                    setattr(total, name, getattr(total, name) + getattr(part, name))
+            else:
+                total.unsent += 1
+            path.unlink()
+
+    with tempfile.TemporaryDirectory(prefix="ampwatch-import-") as folder:
+        poster = threading.Thread(target=post_in_order, name="ampwatch-import-send")
+        poster.start()
+        try:
+            for body in bodies:
+                path = Path(folder) / f"{built:08d}.ampwatch"
+                path.write_bytes(encode_frame(body))
+                ready.put(path)
+                built += 1
+        finally:
+            ready.put(None)
+            poster.join()
+    return total
+
+
+@dataclass
+class ImportReport:
+    logs: list[ParsedLog]
+    runs: list[ImportedRun]
+    upload: UploadReport | None = None
+
+
+def import_logs(
+    paths: list[str],
+    target: Target,
+    *,
+    fmt: str = "auto",
+    offline_file: str | None = None,
+    log: Callable[[str], None] = print,
+) -> ImportReport:
+    """Parse every file, then send the runs to `target` (or only write `offline_file`).
+
+    >>> import_logs(["train.log"], Target("http://127.0.0.1:8765")).upload.stored  # doctest: +SKIP
+    100
+    """
+    logs = [parse_file(path, fmt) for path in paths]
+    for parsed in logs:
+        log(f"{parsed.path}: format {parsed.format} ({parsed.reason}); "
+            f"{len(parsed.steps)} steps, {len(parsed.checkpoints)} checkpoints")  # fmt: skip
+    runs = plan_runs(logs, name=target.name, run_id=target.run_id)
+    report = ImportReport(logs, runs)
+    bodies = (body for run in runs for body in batches(run, logs[0].format, target.project))
+    if offline_file is not None:
+        with open(offline_file, "ab") as out:
+            out.writelines(encode_frame(body) for body in bodies)
+    else:
+        report.upload = send(bodies, target.url, token=target.token, log=log)
+    return report

@@ -1,0 +1,103 @@
+"""`ampwatch import` into a real collector over HTTP: an imported log fires the same
+alerts, at the same steps, as the same series recorded through `handle.record()`;
+importing twice stores it once; a log that does not parse stores nothing."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import httpx
+import pytest
+import sqlalchemy as sa
+from real_logs import CORPUS, load_excerpt, replay
+from scenario_catalog import find_run
+
+from ampwatch.agent.logs import LogParseError, Target, import_logs
+from ampwatch.server.cli import main
+
+FORMATS = Path(__file__).resolve().parents[1] / "data" / "log_formats"
+
+
+def _alerts(api: httpx.Client, client_run_id: str) -> list[tuple[Any, ...]]:
+    run = find_run(api, client_run_id)
+    alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()["alerts"]
+    return sorted((a["rule"], a["layer"], a["severity"], a["status"], a["started_step"],
+                   a["fired_step"], a["resolved_step"]) for a in alerts)  # fmt: skip
+
+
+def _without_header(path: Path, tmp_path: Path) -> Path:
+    """The excerpt as a user's log file: its provenance header removed."""
+    lines = [t for t in path.read_text().splitlines(keepends=True)
+             if not t.startswith("# ") or t.startswith("# scaler:")]  # fmt: skip
+    out = tmp_path / path.name
+    out.write_text("".join(lines))
+    return out
+
+
+@pytest.mark.parametrize(
+    "name",
+    ["tr8b-104B-exp07-resume-burst", "fairseq-512-min-scale", "transformers-14531-floor-stall",
+     "chinese-llama-534-min-scale", "tr8-104B-exp12-divergence", "apex-834-scale-to-zero"],
+)  # fmt: skip
+def test_import_fires_the_alerts_that_record_fires(name: str, live_collector, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    excerpt = load_excerpt(CORPUS / f"{name}.log")
+    recorded = replay(excerpt, live_collector.url, project="recorded")
+    log = _without_header(CORPUS / f"{name}.log", tmp_path)
+    target = Target(live_collector.url, project="imported")
+    report = import_logs([str(log)], target, fmt="auto", log=lambda _: None)
+    assert report.upload is not None and report.upload.complete
+    with httpx.Client(base_url=live_collector.url, timeout=30) as api:
+        by_record = _alerts(api, recorded)
+        by_import = _alerts(api, report.runs[0].client_run_id)
+    assert by_record, f"{name}: the incident fires nothing; the comparison would be empty"
+    assert by_import == by_record
+
+
+def test_two_engines_import_as_two_runs_with_their_own_alerts(live_collector) -> None:  # type: ignore[no-untyped-def]
+    report = import_logs([str(FORMATS / "deepspeed-chat-rlhf-actor-critic.log")],
+                         Target(live_collector.url, name="rlhf"), log=lambda _: None)  # fmt: skip
+    assert sorted(r.name for r in report.runs) == ["rlhf-actor", "rlhf-critic"]
+    with httpx.Client(base_url=live_collector.url, timeout=30) as api:
+        for run in report.runs:
+            stored = find_run(api, run.client_run_id)
+            series = api.get(f"/api/v1/runs/{stored['id']}/steps").json()
+            skipped = [s for s, hit in zip(series["step"], series["skipped"]) if hit]
+            assert skipped == ([0, 1, 2, 5, 10] if run.name == "rlhf-actor" else [0, 1, 2])
+
+
+def _counts(database_url: str) -> tuple[int, int, int]:
+    engine = sa.create_engine(database_url)
+    with engine.connect() as db:
+        steps = db.execute(sa.text("SELECT count(*) FROM steps")).scalar_one()
+        events = db.execute(sa.text("SELECT count(*) FROM events")).scalar_one()
+        runs = db.execute(sa.text("SELECT count(*) FROM runs")).scalar_one()
+    engine.dispose()
+    return steps, events, runs
+
+
+def test_importing_twice_stores_once(live_collector, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    log = _without_header(CORPUS / "deepspeed-chat-sft-opt1.3b.log", tmp_path)
+    assert main(["import", str(log), "--url", live_collector.url, "--run", "sft"]) == 0
+    first = capsys.readouterr().out
+    assert "format deepspeed (" in first and "7360 steps" in first
+    once = _counts(live_collector.database_url)
+    assert once[0] == 7360 and once[2] == 1
+    assert main(["import", str(log), "--url", live_collector.url, "--run", "sft"]) == 0
+    second = capsys.readouterr().out
+    assert "0 batches stored" in second and "already there" in second
+    assert _counts(live_collector.database_url) == once
+
+
+def test_an_unparseable_log_stores_nothing(live_collector, tmp_path, capsys) -> None:  # type: ignore[no-untyped-def]
+    good = (CORPUS / "tr8-104B-exp2-glitch.log").read_text().splitlines()
+    lines = [t for t in good if not t.startswith("# ")]
+    lines.insert(3, lines[3].replace("lm loss: 9.121927E+00", "lm loss: 9.12.1927E+00"))
+    log = tmp_path / "broken.log"
+    log.write_text("\n".join(lines) + "\n")
+    assert main(["import", str(log), "--url", live_collector.url]) == 2
+    err = capsys.readouterr().err
+    assert f"{log}:4:" in err and "lm loss" in err and "nothing was sent" in err
+    assert _counts(live_collector.database_url) == (0, 0, 0)
+    with pytest.raises(LogParseError):
+        import_logs([str(log)], Target(live_collector.url), log=lambda _: None)
