@@ -138,6 +138,12 @@ ACTIVATION_STATS: Final = ("activation_max_abs",)
 #: Event kinds the collector understands.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
 
+#: `run_start`'s key for the loss scaler's configured floor (`watch(min_loss_scale=...)`;
+#: fairseq, DeepSpeed and Megatron `min_loss_scale`): a positive number, or null where the
+#: scaler has none (torch's GradScaler) or the agent does not know it. The scale rules judge
+#: a low scale against it when it is there.
+MIN_LOSS_SCALE: Final = "min_loss_scale"
+
 #: `finding` events carry {"code": one of these, "message": str, ...details}.
 FINDING_CODES: Final = (
     "fp16_params_without_scaler",

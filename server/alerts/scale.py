@@ -1,17 +1,69 @@
-"""The loss-scale rules: `loss_scale_collapse` (below min_scale while falling, an unrecovered
+"""The loss-scale rules: `loss_scale_collapse` (a low scale while falling, an unrecovered
 fall of 2^k, K skips in a row), `scale_floor_stall`, `skip_rate`, and `nan_loss`'s message.
-Each judges one step against the `StepState` the engine moved to it."""
+Each judges one step against the `StepState` the engine moved to it.
+
+"Low" is judged against the scaler's configured floor when the run reports it
+(`wire.MIN_LOSS_SCALE` in run_start): a skip within 2^floor_headroom_octaves of it is a
+collapse at once, a skip at it a stall at once. Without it the floor is guessed: min_scale
+(DeepSpeed's and Megatron's 1) while the scale is falling, floor_max_scale for the stall."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from typing import Any
 
+from ampwatch.agent import wire
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt, octaves
+from ampwatch.server.alerts.spikes import RecentState, still_falling
 from ampwatch.server.alerts.state import StepState
+
+
+def reported_floor(run_start: Mapping[str, Any]) -> float | None:
+    """The scaler's configured floor a run_start reports, if it is a positive finite number.
+
+    >>> reported_floor({"min_loss_scale": 1e-4}), reported_floor({"min_loss_scale": None})
+    (0.0001, None)
+    """
+    floor = run_start.get(wire.MIN_LOSS_SCALE)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+        return None
+    return float(floor) if math.isfinite(floor) and floor > 0 else None
+
+
+def low_scale(d: StepState, rule: rules.LossScaleCollapse) -> float:
+    """The scale below which a skip threatens the run: 2^floor_headroom_octaves times the
+    reported floor (that skip's halving and a burst of 3 more would cross the floor), else,
+    at or below, the guessed floor min_scale."""
+    if d.min_loss_scale is not None:
+        return float(d.min_loss_scale * 2.0**rule.floor_headroom_octaves)
+    return float(rule.min_scale)
+
+
+def track_low_scale(
+    d: StepState,
+    recent: RecentState,
+    s: int,
+    scale: float,
+    skipped: bool,
+    rule: rules.LossScaleCollapse,
+) -> None:
+    """Move the low-scale test to step `s`: a low scale is a collapse once it skips there
+    (a reported floor) or while it is still falling (a guessed one); then it holds until
+    the scale is back at (reported) or above (guessed) the threshold."""
+    low = low_scale(d, rule)
+    known = d.min_loss_scale is not None
+    if scale > low or (scale == low and (known or not skipped)):
+        d.below_since = None
+        d.below_falling = False
+        return
+    if d.below_since is None:
+        d.below_since = s
+    if not d.below_falling:
+        d.below_falling = skipped if known else still_falling(recent, s, scale, rule)
 
 
 def loss_scale_collapse(
@@ -22,10 +74,17 @@ def loss_scale_collapse(
     onsets: list[int] = []
     if d.below_since is not None and scale is not None and d.below_falling:
         onsets.append(d.below_since)
-        where = "is below" if scale < rule.min_scale else "is skipping at"
-        parts.append(f"loss scale {fmt(scale)} {where} min_scale {fmt(rule.min_scale)} "
-                     f"since step {d.below_since}, falling")  # fmt: skip
-        values.update(min_scale=rule.min_scale, below_since_step=d.below_since)
+        floor = d.min_loss_scale
+        if floor is not None:
+            parts.append(f"loss scale {fmt(scale)} is skipping {octaves(scale / floor)} above "
+                         f"the scaler's floor {fmt(floor)} since step {d.below_since}: a burst "
+                         "of overflows would take it below the floor")  # fmt: skip
+            values.update(min_loss_scale=floor, below_since_step=d.below_since)
+        else:
+            where = "is below" if scale < rule.min_scale else "is skipping at"
+            parts.append(f"loss scale {fmt(scale)} {where} min_scale {fmt(rule.min_scale)} "
+                         f"since step {d.below_since}, falling")  # fmt: skip
+            values.update(min_scale=rule.min_scale, below_since_step=d.below_since)
     if not d.calibrating:
         changes = d.changes
         if scale is not None and changes:
@@ -96,7 +155,10 @@ def scale_floor_stall(
         d.stall_run, d.stall_start, d.stall_scale = 0, None, None
     if not rule.enabled:
         return
-    floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
+    if d.min_loss_scale is not None:  # the scaler said where its floor is
+        floored = d.stall_run >= 1 and d.stall_scale <= d.min_loss_scale
+    else:
+        floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
     if d.stall_run >= rule.window_steps or floored:
         run, start, floor = d.stall_run, d.stall_start, d.stall_scale
         tracker.holds(

@@ -50,6 +50,9 @@ class StepState:
     clean_run: int = 0
     process_steps: int = 0
     cascade: bool = False
+    #: The loss scaler's configured floor, as this process's run_start reported it (None:
+    #: not reported; the scale rules then fall back to min_scale and floor_max_scale).
+    min_loss_scale: float | None = None
     #: The scale of the last step, and its change points within the fall window.
     scale: float | None = None
     changes: list[list[Any]] = field(default_factory=list)

@@ -255,6 +255,42 @@ def test_scale_floor_stall(feed: Feed) -> None:
     assert "pinned at 2" in alert.message
 
 
+def run_start(**data: object) -> dict:
+    return {"kind": "run_start", "step": None, "time": 1_767_225_700.0, "data": data}
+
+
+def test_a_reported_floor_makes_a_skip_near_it_critical_and_a_stable_low_scale_quiet(
+    feed: Feed,
+) -> None:
+    """fairseq's floor 1e-4 reported: a run steady at 4e-3 (2^5.3 above it) skipping now
+    and then stays quiet, and so does a clean scale within 2^4 of the floor; the first skip
+    there fires at once (falling or not), and a skip at the floor is a stall at once."""
+    feed.send(healthy(1, 10, scale=4e-3), events=[run_start(min_loss_scale=1e-4)])
+    feed.send_steps(healthy(11, 995, scale=4e-3, skips={300: 4e-3, 700: 4e-3, 1000: 4e-3}))
+    feed.send_steps(healthy(1006, 4, scale=1e-3))
+    assert feed.alerts() == []
+    feed.send([step_record(1010, skipped=True, loss=2.0, loss_scale=1e-3)])
+    (alert,) = feed.alerts(rule="loss_scale_collapse")
+    assert (alert.status, alert.fired_step, alert.started_step) == ("firing", 1010, 1006)
+    assert "is skipping 2^3.3 above the scaler's floor 0.0001 since step 1006" in alert.message
+    assert alert.values["min_loss_scale"] == 1e-4
+    assert feed.alerts(rule="scale_floor_stall") == []
+    feed.send([step_record(1011, skipped=True, loss=2.0, loss_scale=1e-4)])
+    (stall,) = feed.alerts(rule="scale_floor_stall")
+    assert (stall.status, stall.fired_step) == ("firing", 1011)
+
+
+def test_without_a_reported_floor_a_new_process_falls_back_to_min_scale(feed: Feed) -> None:
+    """A floor reported by one process is not the next one's: a run_start without it
+    brings back min_scale (a single skip at 8e-4, not falling, stays quiet)."""
+    feed.send(healthy(1, 10, scale=1.0), events=[run_start(min_loss_scale=1e-4)])
+    assert feed.state()["min_loss_scale"] == 1e-4
+    feed.send(healthy(11, 10, scale=8e-4), events=[run_start(min_loss_scale=None)])
+    feed.send([step_record(21, skipped=True, loss=2.0, loss_scale=8e-4)])
+    assert feed.state()["min_loss_scale"] is None
+    assert feed.alerts(rule="loss_scale_collapse") == []
+
+
 def test_nan_loss_is_split_from_gradient_overflow(feed: Feed) -> None:
     feed.send_steps(healthy(1, 199, skips={150: 2048.0}))  # an overflow skip, finite loss
     assert feed.alerts(rule="nan_loss") == []
