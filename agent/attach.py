@@ -31,6 +31,7 @@ from ampwatch.agent.hooks import (
 )
 from ampwatch.agent.manual import manual_sample
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
+from ampwatch.agent.prenorm import attach_prenorm, take_prenorm
 from ampwatch.agent.scaler import (
     ScalerTap,
     checked_min_loss_scale,
@@ -227,6 +228,7 @@ class _AttachedHandle(WatchHandle):
         if final_layer is not None:
             self._act = ActivationNorm(self._on_error)
             self._add_hook(self._act.attach(final_layer[1], final_layer[2]))
+        self._prenorm = attach_prenorm(model, final_layer, self._on_error, self._add_hook)
         self._act_max: ActivationMaxAbs | None = None
         if activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
             self._act_max = ActivationMaxAbs(model, self._on_error)
@@ -306,6 +308,7 @@ class _AttachedHandle(WatchHandle):
             }
             if self._act is not None and (act := self._act.take()) is not None:
                 values["act_norm_mean"], values["act_norm_max"] = act
+            take_prenorm(self._prenorm, values)
             sample = manual_sample(number, self._rank, values, _to_host)
             self._step = number
             if self._send_steps:
@@ -449,6 +452,7 @@ class _AttachedHandle(WatchHandle):
             scalars["loss"] = loss
         if self._act is not None and (act := self._act.take()) is not None:
             scalars["act_norm_mean"], scalars["act_norm_max"] = act
+        take_prenorm(self._prenorm, scalars)
         host: dict[str, float | None] = {}
         # `lr` is the first optimizer's first group; `lr_groups` every group of every
         # optimizer, in order, when there is more than one (run_start lists them all).

@@ -160,7 +160,10 @@ DROPPED_KINDS: Final = ("steps", "layer_stats", "events")
 #: `grad_norm` is the unscaled total L2 norm of the step's gradients; when the loop clipped
 #: them (`clip_grad_norm_`), the norm before clipping, what the clip returned, and
 #: `grad_norm_clipped` the norm after it (optional in a record: absent means not clipped
-#: or not known, as null does).
+#: or not known, as null does). `act_norm_*` is the final hidden state as the head reads it,
+#: after the final norm, which caps it; `act_prenorm_*` the same norm of the final norm's
+#: input, the last block's output, where a divergence shows (optional: absent when the
+#: model has no final norm or `final_layer` names the module).
 STEP_FLOAT_FIELDS: Final = (
     "loss",
     "loss_scale",
@@ -169,6 +172,8 @@ STEP_FLOAT_FIELDS: Final = (
     "act_norm_mean",
     "act_norm_max",
     "grad_norm_clipped",
+    "act_prenorm_mean",
+    "act_prenorm_max",
 )
 
 #: A step record's optional `lr_groups`: the lr of every param group of every watched
@@ -213,6 +218,8 @@ class _StepRecordRequired(TypedDict):
 class StepRecord(_StepRecordRequired, total=False):
     lr_groups: list[WireFloat]
     grad_norm_clipped: WireFloat | None
+    act_prenorm_mean: WireFloat | None
+    act_prenorm_max: WireFloat | None
 
 
 class ExponentHistograms(TypedDict):

@@ -19,11 +19,20 @@ from ampwatch.server.schemas import StepIn
 
 
 def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
+    """The step's norm to judge: before the final norm when the agent measured it (after
+    it, the norm caps what a divergence does: x1.7 on the lr blow-up scenario), the signal
+    before the other statistic. An agent measures the pre-norm value on every step or on
+    none, so one run's baseline is never a mix."""
     other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
-    raw = getattr(record, rule.signal)
-    if raw is None:
-        raw = getattr(record, other)
-    return decode_float(raw) if raw is not None else None
+    for name in (rule.signal, other):
+        raw = getattr(record, name.replace("act_norm", "act_prenorm"))
+        if raw is not None:
+            return decode_float(raw)
+    for name in (rule.signal, other):
+        raw = getattr(record, name)
+        if raw is not None:
+            return decode_float(raw)
+    return None
 
 
 def act_baselines(
