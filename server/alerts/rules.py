@@ -46,9 +46,8 @@ class LossScaleCollapse(RuleSettings):
         default=1.0,
         ge=0,
         description="Fire when the loss scale falls below this, or skips at it, while it is "
-        "still falling (trend_steps): the guessed floor, for a run that reports none "
-        "(DeepSpeed and Megatron floor at 1; OPT-175B restarted from checkpoints whose scale "
-        "was still >= 1).",
+        "still falling (trend_steps), whatever floor the run reports (DeepSpeed and Megatron "
+        "floor at 1; OPT-175B restarted from checkpoints whose scale was still >= 1).",
     )
     fall_octaves: int = Field(
         default=8,
@@ -96,8 +95,7 @@ class LossScaleCollapse(RuleSettings):
         "at a skip attempted below 2^this times it, falling or not: that skip's halving and a "
         "burst of 3 more (overflow_burst) would take the scale below the floor, where fairseq "
         "stops training and DeepSpeed and Megatron skip every step (a healthy DeepSpeed-Chat "
-        "run skipped at 16 over its floor 1: a burst would leave it at the floor). min_scale "
-        "and the trend test are then unused.",
+        "run skipped at 16 over its floor 1: a burst would leave it at the floor).",
     )
     trend_steps: int = Field(
         default=50,
@@ -455,9 +453,9 @@ RULES: dict[str, Rule] = {
     for rule in (
         Rule(
             "loss_scale_collapse", "critical", "run", LossScaleCollapse,
-            "The dynamic loss scale skipped below 2^floor_headroom_octaves times the scaler's "
-            "floor the run reported (without one: fell below min_scale, or skips at it, while "
-            "still falling), fell by 2^fall_octaves within window_steps without recovering, "
+            "The dynamic loss scale fell below min_scale (or skips at it) while still falling, "
+            "skipped below 2^floor_headroom_octaves times the scaler's floor the run reported, "
+            "fell by 2^fall_octaves within window_steps without recovering, "
             "or max_consecutive_skips steps in a row were skipped (warm-up calibration "
             "excepted).",
         ),

@@ -2,10 +2,10 @@
 fall of 2^k, K skips in a row), `scale_floor_stall`, `skip_rate`, and `nan_loss`'s message.
 Each judges one step against the `StepState` the engine moved to it.
 
-"Low" is judged against the scaler's configured floor when the run reports it
-(`wire.MIN_LOSS_SCALE` in run_start): a skip within 2^floor_headroom_octaves of it is a
-collapse at once, a skip at it a stall at once. Without it the floor is guessed: min_scale
-(DeepSpeed's and Megatron's 1) while the scale is falling, floor_max_scale for the stall."""
+"Low": a scale below min_scale (DeepSpeed's and Megatron's floor, 1) while it is falling;
+and, when the run reports its scaler's configured floor (`wire.MIN_LOSS_SCALE` in
+run_start), a skip below 2^floor_headroom_octaves x that floor, at once, and a skip at it
+is a stall at once (floor_max_scale guesses the stall's floor otherwise)."""
 
 from __future__ import annotations
 
@@ -34,13 +34,12 @@ def reported_floor(run_start: Mapping[str, Any]) -> float | None:
     return float(floor) if math.isfinite(floor) and floor > 0 else None
 
 
-def low_scale(d: StepState, rule: rules.LossScaleCollapse) -> float:
-    """The scale below which a skip threatens the run: 2^floor_headroom_octaves times the
-    reported floor (that skip's halving and a burst of 3 more would cross the floor), else,
-    at or below, the guessed floor min_scale."""
-    if d.min_loss_scale is not None:
-        return float(d.min_loss_scale * 2.0**rule.floor_headroom_octaves)
-    return float(rule.min_scale)
+def near_floor(d: StepState, rule: rules.LossScaleCollapse) -> float | None:
+    """The scale below which a skip threatens a run that reported its floor: that skip's
+    halving and a burst of 3 more would cross the floor (2^floor_headroom_octaves x it)."""
+    if d.min_loss_scale is None:
+        return None
+    return float(d.min_loss_scale * 2.0**rule.floor_headroom_octaves)
 
 
 def track_low_scale(
@@ -51,19 +50,28 @@ def track_low_scale(
     skipped: bool,
     rule: rules.LossScaleCollapse,
 ) -> None:
-    """Move the low-scale test to step `s`: a low scale is a collapse once it skips there
-    (a reported floor) or while it is still falling (a guessed one); then it holds until
-    the scale is back at (reported) or above (guessed) the threshold."""
-    low = low_scale(d, rule)
-    known = d.min_loss_scale is not None
-    if scale > low or (scale == low and (known or not skipped)):
+    """Move the low-scale test to step `s`: a scale near the reported floor is a collapse
+    once it skips there; a scale below min_scale (or skipping at it) while it is still
+    falling; then it holds until the scale is back."""
+    near = near_floor(d, rule)
+    at_floor = near is not None and scale < near
+    guessed = scale < rule.min_scale or (scale == rule.min_scale and skipped)
+    if not at_floor:
+        d.near_floor_since = None
+    elif d.near_floor_since is None:
+        d.near_floor_since = s
+    if not (at_floor or guessed):
         d.below_since = None
         d.below_falling = False
         return
     if d.below_since is None:
         d.below_since = s
-    if not d.below_falling:
-        d.below_falling = skipped if known else still_falling(recent, s, scale, rule)
+    if d.below_falling:
+        return
+    if at_floor and skipped:  # its onset: the first step near the floor
+        d.below_falling, d.below_since = True, d.near_floor_since
+    elif guessed:
+        d.below_falling = still_falling(recent, s, scale, rule)
 
 
 def loss_scale_collapse(
@@ -74,8 +82,8 @@ def loss_scale_collapse(
     onsets: list[int] = []
     if d.below_since is not None and scale is not None and d.below_falling:
         onsets.append(d.below_since)
-        floor = d.min_loss_scale
-        if floor is not None:
+        floor, near = d.min_loss_scale, near_floor(d, rule)
+        if floor is not None and near is not None and scale < near:
             parts.append(f"loss scale {fmt(scale)} is skipping {octaves(scale / floor)} above "
                          f"the scaler's floor {fmt(floor)} since step {d.below_since}: a burst "
                          "of overflows would take it below the floor")  # fmt: skip

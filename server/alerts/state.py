@@ -65,6 +65,8 @@ class StepState:
     skips: list[int] = field(default_factory=list)
     counted_from: int | None = None
     below_since: int | None = None
+    #: The first step of the current stretch below `scale.near_floor` (a reported floor).
+    near_floor_since: int | None = None
     below_falling: bool = False
     nan_since: int | None = None
     last_fall: int | None = None

@@ -262,11 +262,12 @@ def run_start(**data: object) -> dict:
 def test_a_reported_floor_makes_a_skip_near_it_critical_and_a_stable_low_scale_quiet(
     feed: Feed,
 ) -> None:
-    """fairseq's floor 1e-4 reported: a run steady at 4e-3 (2^5.3 above it) skipping now
+    """fairseq's floor 1e-4 reported: a run steady at 2e-3 (2^4.3 above it) skipping now
     and then stays quiet, and so does a clean scale within 2^4 of the floor; the first skip
-    there fires at once (falling or not), and a skip at the floor is a stall at once."""
-    feed.send(healthy(1, 10, scale=4e-3), events=[run_start(min_loss_scale=1e-4)])
-    feed.send_steps(healthy(11, 995, scale=4e-3, skips={300: 4e-3, 700: 4e-3, 1000: 4e-3}))
+    there fires at once (not falling: one halving), and a skip at the floor is a stall at
+    once."""
+    feed.send(healthy(1, 10, scale=2e-3), events=[run_start(min_loss_scale=1e-4)])
+    feed.send_steps(healthy(11, 995, scale=2e-3, skips={300: 2e-3, 700: 2e-3, 1000: 2e-3}))
     feed.send_steps(healthy(1006, 4, scale=1e-3))
     assert feed.alerts() == []
     feed.send([step_record(1010, skipped=True, loss=2.0, loss_scale=1e-3)])
