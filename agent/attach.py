@@ -30,8 +30,8 @@ from ampwatch.agent.hooks import (
     find_final_layer,
 )
 from ampwatch.agent.manual import manual_sample
-from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.prenorm import attach_prenorm, take_prenorm
+from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import (
     ScalerTap,
     checked_min_loss_scale,

@@ -3,7 +3,8 @@ shows.
 
 The default activation-norm hook (`hooks.find_final_layer`) reads the head's input, the
 final hidden state after the model's final LayerNorm / RMSNorm, which normalises it: on the
-scenario suite's lr blow-up that value moved x1.7 while the run diverged. The same L2 norm
+scenario suite's lr blow-up it reached x2 its rolling median at step 155, the value before
+the norm at 146 (tests/scenarios/test_scenarios.py). The same L2 norm
 (mean and max over tokens, graph-building forwards only: `hooks.ActivationNorm`) of that
 final norm's INPUT grows with the residual stream, and is sent besides it as
 `act_prenorm_mean` / `act_prenorm_max`.

@@ -6,7 +6,7 @@ Revises: 0009
 Create Date: 2026-12-01
 
 `act_norm_*` is measured where the head reads the final hidden state, after the final
-LayerNorm, which caps it (an lr blow-up moved it x1.7); the last block's output before
+LayerNorm, which holds a divergence down; the last block's output before
 that norm is stored besides it. Existing rows were never measured: NULL.
 """
 

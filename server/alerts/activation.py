@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ampwatch.agent.wire import decode_float
+from ampwatch.agent.wire import WireFloat, decode_float
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt
@@ -19,19 +19,17 @@ from ampwatch.server.schemas import StepIn
 
 
 def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
-    """The step's norm to judge: before the final norm when the agent measured it (after
-    it, the norm caps what a divergence does: x1.7 on the lr blow-up scenario), the signal
-    before the other statistic. An agent measures the pre-norm value on every step or on
+    """The step's norm to judge: before the final norm when the agent measured it (the norm
+    holds a divergence down after it: on the lr blow-up scenario the value before it
+    reached x2 its median 9 steps earlier), the signal before the other statistic. An agent measures the pre-norm value on every step or on
     none, so one run's baseline is never a mix."""
     other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
-    for name in (rule.signal, other):
-        raw = getattr(record, name.replace("act_norm", "act_prenorm"))
+    names = (rule.signal, other)
+    for name in [n.replace("act_norm", "act_prenorm") for n in names] + list(names):
+        raw: WireFloat | None = getattr(record, name)
         if raw is not None:
-            return decode_float(raw)
-    for name in (rule.signal, other):
-        raw = getattr(record, name)
-        if raw is not None:
-            return decode_float(raw)
+            value: float | None = decode_float(raw)
+            return value
     return None
 
 

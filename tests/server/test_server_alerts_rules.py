@@ -111,6 +111,21 @@ def test_activation_spike_is_a_warning_alone_and_critical_with_a_falling_scale(
     assert "OPT-175B" in alerts[1].message
 
 
+def test_the_activation_rule_judges_the_norm_before_the_final_norm(feed: Feed) -> None:
+    """With act_prenorm_* reported, a x5 rise there fires while the post-norm value, which
+    the final LayerNorm holds flat, would not."""
+    records = healthy(1, 200)
+    for record in records:
+        record["act_prenorm_mean"] = 10.0 * record["act_norm_mean"]
+        record["act_prenorm_max"] = 20.0 * record["act_norm_mean"]
+    for record in records[150:160]:
+        record["act_prenorm_mean"] = 5 * record["act_prenorm_mean"]
+    feed.send_steps(records)
+    (alert,) = feed.alerts(rule="activation_norm_spike")
+    assert (alert.started_step, alert.fired_step) == (151, 151)
+    assert alert.values["act_norm"] > 400  # the pre-norm value (post-norm: ~10)
+
+
 def test_a_spike_then_a_fall_escalates_to_critical(feed: Feed) -> None:
     feed.send_steps(healthy(1, 299))
     feed.send(healthy(300, 1, act=60.0) + healthy(301, 3)
