@@ -26,7 +26,7 @@ from ampwatch.agent.handle import Lifecycle, WatchHandle
 from ampwatch.agent.hooks import find_final_layer
 from ampwatch.agent.http_transport import Transport, http_transport
 from ampwatch.agent.sampling import to_host
-from ampwatch.agent.scaler import scaler_config
+from ampwatch.agent.scaler import checked_min_loss_scale, scaler_config
 from ampwatch.agent.summary import (
     guess_precision,
     model_summary,
@@ -81,6 +81,7 @@ def watch(
     fp8_recipe: str | None = None,
     loss_reduction: str = "mean",
     start_step: int = 0,
+    min_loss_scale: float | None = None,
     accelerator: Any = None,
     flush_interval: float = 1.0,
     max_queue: int = 10_000,
@@ -126,7 +127,9 @@ def watch(
     `scaler.scale()` saw, or `handle.log_loss()` got); `loss_reduction="sum"` for a loop
     that divides each micro-batch loss by the number of micro-batches before backward, so
     that the stored loss is the undivided one. `start_step`: optimizer steps already taken
-    (a resumed run continues its numbering). Wrapped objects are unwrapped (DDP,
+    (a resumed run continues its numbering). `min_loss_scale`: the floor of a loss scaler
+    that has one (fairseq, DeepSpeed, Megatron `min_loss_scale`; torch's GradScaler has
+    none), sent in run_start for the scale rules. Wrapped objects are unwrapped (DDP,
     torch.compile, accelerate's AcceleratedOptimizer, Lightning's LightningOptimizer);
     `accelerator=` (an accelerate `Accelerator`): its scaler is watched, and the loss
     given to `accelerator.backward(loss)`, undivided, is the step's loss. When the loop
@@ -169,6 +172,7 @@ def watch(
             f"{type(delivery).__name__}"
         )
     fp8.check_options(fp8_stats_every, fp8_recipe)
+    min_loss_scale = checked_min_loss_scale(min_loss_scale)
     if loss_reduction not in ("mean", "sum"):
         raise ValueError(f'loss_reduction must be "mean" or "sum", got {loss_reduction!r}')
     if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
@@ -237,6 +241,7 @@ def watch(
             "model": model_summary(model),
             "optimizers": [optimizer_summary(o) for o in optimizers],
             "scaler": scaler_config(scaler) if scaler is not None else None,
+            wire.MIN_LOSS_SCALE: min_loss_scale,
             "precision": guess_precision(model, scaler is not None),
             "final_layer": None
             if head is None

@@ -18,6 +18,7 @@ from ampwatch.agent import clipping, config, fp8
 from ampwatch.agent.handle import Lifecycle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
 from ampwatch.agent.manual import manual_sample
+from ampwatch.agent.prenorm import attach_prenorm, take_prenorm
 from ampwatch.agent.records import LayerSample
 from ampwatch.agent.sampling import StepSampling, to_host
 from ampwatch.agent.scaler import ScalerTap
@@ -84,6 +85,7 @@ class AttachedHandle(StepSampling):
         if final_layer is not None:
             self._act = ActivationNorm(self._on_error)
             self._add_hook(self._act.attach(final_layer[1], final_layer[2]))
+        self._prenorm = attach_prenorm(model, final_layer, self._on_error, self._add_hook)
         self._act_max: ActivationMaxAbs | None = None
         if activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
             self._act_max = ActivationMaxAbs(model, self._on_error)
@@ -157,6 +159,7 @@ class AttachedHandle(StepSampling):
             }
             if self._act is not None and (act := self._act.take()) is not None:
                 values["act_norm_mean"], values["act_norm_max"] = act
+            take_prenorm(self._prenorm, values)
             sample = manual_sample(number, self._rank, values, to_host)
             self._step = number
             if self._send_steps:

@@ -6,6 +6,9 @@ Every argument is optional and may be a Python number or a tensor: numbers are t
 they are, tensors are stacked and copied to the host without a sync, like the automatic
 path's. `record()` never raises; a bad value is logged once and counted as a hook error.
 `step` defaults to the previous step + 1; pass a Python int, not a tensor.
+A scaler with a floor: pass it as `watch(..., min_loss_scale=...)` (fairseq's
+`--min-loss-scale`, default 1e-4; Megatron's `--min-loss-scale`, default 1; DeepSpeed's
+integration reads the engine's), so that the scale rules judge a low scale against it.
 
 Per framework (attribute names from `shared/reference/loss-scalers.md`; the DeepSpeed one
 is run by tests/integrations/test_deepspeed.py, the others were read from each project's
@@ -33,6 +36,7 @@ fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer a
 `trainer.get_loss_scale()`-style accessors vary by version: `trainer.optimizer.scaler
 .loss_scale` is the value they log as `loss_scale`; unverified against a running trainer)::
 
+    handle = watch(model, min_loss_scale=cfg.common.min_loss_scale)  # fairseq stops there
     skipped = False
     try:
         trainer.optimizer.step()
@@ -46,6 +50,7 @@ scale before `step()`, which updates it. Not run: megatron-core 0.16.1, the last
 for Python 3.11, imports on the CPU, but `MegatronGradScaler.__init__` allocates its scale
 with `device='cuda'`)::
 
+    handle = watch(model, min_loss_scale=args.min_loss_scale)  # the scaler clamps at it
     loss_scale = optimizer.get_loss_scale()
 
     update_successful, grad_norm, _ = optimizer.step()

@@ -76,6 +76,9 @@ def step_record(sample: StepSample) -> wire.StepRecord:
     }
     if (clipped := values.get("grad_norm_clipped")) is not None:
         record["grad_norm_clipped"] = wire.encode_float(clipped)
+    if (prenorm := values.get("act_prenorm_mean")) is not None:
+        record["act_prenorm_mean"] = wire.encode_float(prenorm)
+        record["act_prenorm_max"] = wire.encode_float(values.get("act_prenorm_max"))
     if sample.lr_groups > 1:
         groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
         lrs = [lr for lr in groups if lr is not None]

@@ -15,6 +15,7 @@ import torch
 from ampwatch.agent import clipping, fp8
 from ampwatch.agent.handle import WatchHandle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
+from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
 from ampwatch.agent.stats import RunningMean, global_grad_norm, gradient_range, named_grads
@@ -42,6 +43,7 @@ class StepSampling(WatchHandle):
     _fp8: fp8.Fp8Monitor | None
     _tap: ScalerTap | None
     _act: ActivationNorm | None
+    _prenorm: ActivationNorm | None
     _act_max: ActivationMaxAbs | None
     _probe: PrecisionProbe
 
@@ -141,6 +143,7 @@ class StepSampling(WatchHandle):
             scalars["loss"] = loss
         if self._act is not None and (act := self._act.take()) is not None:
             scalars["act_norm_mean"], scalars["act_norm_max"] = act
+        take_prenorm(self._prenorm, scalars)
         host: dict[str, float | None] = {}
         # `lr` is the first optimizer's first group; `lr_groups` every group of every
         # optimizer, in order, when there is more than one (run_start lists them all).

@@ -7,6 +7,7 @@ without a host sync (never `get_scale()`, which calls `.item()`).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -29,6 +30,29 @@ def scaler_config(scaler: torch.amp.GradScaler) -> dict[str, Any]:
         "backoff_factor": getattr(scaler, "_backoff_factor", None),
         "growth_interval": getattr(scaler, "_growth_interval", None),
     }
+
+
+def checked_min_loss_scale(value: float | None) -> float | None:
+    """`watch(min_loss_scale=...)`, checked at attach: a scaler's configured floor is a
+    positive finite number (fairseq's default 1e-4, DeepSpeed's and Megatron's 1); None
+    where the scaler has none (torch's GradScaler) or it is not known.
+
+    >>> checked_min_loss_scale(1e-4), checked_min_loss_scale(None)
+    (0.0001, None)
+    """
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        raise TypeError(
+            "watch(min_loss_scale=...) takes the scaler's configured floor as a number, got "
+            f"{type(value).__name__}"
+        )
+    if not (math.isfinite(value) and value > 0):
+        raise ValueError(
+            f"watch(min_loss_scale={value!r}): a scaler's floor is a positive finite number; "
+            "pass None for a scaler without one (torch's GradScaler)"
+        )
+    return float(value)
 
 
 def found_inf_total(scaler: torch.amp.GradScaler, device: torch.device) -> torch.Tensor | None:

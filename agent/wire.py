@@ -145,6 +145,12 @@ ACTIVATION_STATS: Final = ("activation_max_abs",)
 #: Event kinds the collector understands.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
 
+#: `run_start`'s key for the loss scaler's configured floor (`watch(min_loss_scale=...)`;
+#: fairseq, DeepSpeed and Megatron `min_loss_scale`): a positive number, or null where the
+#: scaler has none (torch's GradScaler) or the agent does not know it. The scale rules judge
+#: a low scale against it when it is there.
+MIN_LOSS_SCALE: Final = "min_loss_scale"
+
 #: `finding` events carry {"code": one of these, "message": str, ...details}.
 FINDING_CODES: Final = (
     "fp16_params_without_scaler",
@@ -161,7 +167,10 @@ DROPPED_KINDS: Final = ("steps", "layer_stats", "events")
 #: `grad_norm` is the unscaled total L2 norm of the step's gradients; when the loop clipped
 #: them (`clip_grad_norm_`), the norm before clipping, what the clip returned, and
 #: `grad_norm_clipped` the norm after it (optional in a record: absent means not clipped
-#: or not known, as null does).
+#: or not known, as null does). `act_norm_*` is the final hidden state as the head reads it,
+#: after the final norm, which caps it; `act_prenorm_*` the same norm of the final norm's
+#: input, the last block's output, where a divergence shows (optional: absent when the
+#: model has no final norm or `final_layer` names the module).
 STEP_FLOAT_FIELDS: Final = (
     "loss",
     "loss_scale",
@@ -170,6 +179,8 @@ STEP_FLOAT_FIELDS: Final = (
     "act_norm_mean",
     "act_norm_max",
     "grad_norm_clipped",
+    "act_prenorm_mean",
+    "act_prenorm_max",
 )
 
 #: A step record's optional `lr_groups`: the lr of every param group of every watched
@@ -214,6 +225,8 @@ class _StepRecordRequired(TypedDict):
 class StepRecord(_StepRecordRequired, total=False):
     lr_groups: list[WireFloat]
     grad_norm_clipped: WireFloat | None
+    act_prenorm_mean: WireFloat | None
+    act_prenorm_max: WireFloat | None
 
 
 class ExponentHistograms(TypedDict):

@@ -111,6 +111,9 @@ class StepSeries:
     act_norm_max: list[float | None]
     #: The grad norm after the loop's clip (`grad_norm` is before it); None where unclipped.
     grad_norm_clipped: list[float | None]
+    #: The activation norm before the final norm; None where not measured.
+    act_prenorm_mean: list[float | None]
+    act_prenorm_max: list[float | None]
     #: Steps each point stands for that were skipped (1/0 for exact rows).
     skipped_count: list[int]
     #: Steps per bucket: 1 = exact rows; else two points (min, max) per bucket.

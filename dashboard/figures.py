@@ -554,7 +554,8 @@ def activation_norm_figure(
     series: StepSeries, *, x_range: Sequence[int] | None = None
 ) -> go.Figure:
     """Final-layer activation L2 norm, max and mean over tokens (the OPT-175B precursor),
-    with the max's trailing robust baseline as a shaded band (`baseline_band`)."""
+    with the max's trailing robust baseline as a shaded band (`baseline_band`), and, where
+    the agent measured it, the mean before the final norm (which caps the norm after it)."""
     title = "Final-layer activation norm"
     means = plot_values(series.act_norm_mean)
     maxima = plot_values(series.act_norm_max)
@@ -603,8 +604,14 @@ def activation_norm_figure(
             "hovertemplate": "%{y:.4g}",
         },
     ]
+    prenorm = plot_values(series.act_prenorm_mean)
+    if not np.isnan(prenorm).all():
+        data.append({"type": "scatter", "x": steps, "y": prenorm,
+                     "name": "mean before the final norm", "mode": "lines",
+                     "line": {"color": SCALE_COLOR, "dash": "dot"},
+                     "hovertemplate": "%{y:.4g}"})  # fmt: skip
     y_axis: dict[str, Any] = {"title": {"text": "activation L2 norm"}}
-    if not (np.nan_to_num(np.concatenate([means, maxima]), nan=1.0) <= 0).any():
+    if not (np.nan_to_num(np.concatenate([means, maxima, prenorm]), nan=1.0) <= 0).any():
         y_axis["type"] = "log"  # a 50x spike must not flatten the baseline it is judged by
     return _step_figure(title, data, height=320, x_range=x_range, y_axis=y_axis)
 

@@ -131,6 +131,7 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
             bind(record.loss), bind(record.loss_scale), bind(record.grad_norm),
             bind(record.lr), bind(record.act_norm_mean), bind(record.act_norm_max),
             bind(record.grad_norm_clipped),
+            bind(record.act_prenorm_mean), bind(record.act_prenorm_max),
             None if record.lr_groups is None else record.lr_groups.astype("<f8").tobytes(),
         )  # fmt: skip
     if not latest:

@@ -247,6 +247,9 @@ class Step(Base):
     act_norm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     #: The grad norm after the loop's clip_grad_norm_ (`grad_norm` is before it).
     grad_norm_clipped: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    #: The activation norm of the final norm's input (the last block's output).
+    act_prenorm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_prenorm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     #: Every param group's lr when there is more than one: packed little-endian float64
     #: (`ampwatch.server.packed`), NaN and Inf kept; NULL with a single group.
     lr_groups: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -287,6 +290,10 @@ class StepRollup(Base):
     act_norm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     grad_norm_clipped_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
     grad_norm_clipped_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_prenorm_mean_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_prenorm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_prenorm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_prenorm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
 
 
 class RunStepTotals(Base):

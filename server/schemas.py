@@ -162,6 +162,9 @@ class StepIn(_WireModel):
     act_norm_max: WireFloat | None = None
     #: The grad norm after the loop's clip (`grad_norm` is before it); absent if none.
     grad_norm_clipped: WireFloat | None = None
+    #: The final norm's input (the last block's output); absent if not measured.
+    act_prenorm_mean: WireFloat | None = None
+    act_prenorm_max: WireFloat | None = None
     #: Every param group's lr (wire `MAX_LR_GROUPS`); absent with a single group.
     lr_groups: LrGroups | None = None
 
@@ -416,6 +419,9 @@ class StepSeries(BaseModel):
     act_norm_max: list[WireFloat | None]
     #: The grad norm after the loop's clip; null where it did not clip (or before 0009).
     grad_norm_clipped: list[WireFloat | None]
+    #: The activation norm before the final norm; null where not measured (or before 0010).
+    act_prenorm_mean: list[WireFloat | None]
+    act_prenorm_max: list[WireFloat | None]
     skipped_count: list[int]
     bucket_width: int = 1
     #: Per point: every param group's lr, or null for a step with one group and for every

@@ -17,6 +17,10 @@ watches the engine itself (deepspeed 0.19, read from its source and run here on 
   BF16 steps skipped on non-finite gradients. `engine.skipped_steps` counts the same.
 - Grad norm: `engine.get_global_grad_norm()` after the step: the norm the optimizer
   computed before clipping (`gradient_clipping`), Inf on an overflow.
+- The scaler's floor, sent in run_start: `engine.dynamic_loss_scale_args()["min_scale"]`
+  (the fp16 config's `min_loss_scale`, default 1) when FP16 runs with a dynamic scale
+  (`engine.fp16_enabled()`, `engine.dynamic_loss_scale()`); none under BF16 or a static
+  scale.
 - The loss: what the loop gives `engine.backward(loss)`, undivided (the engine divides it
   by `gradient_accumulation_steps`), averaged over the step's micro-batches.
 - Layer statistics, on sampled boundary steps, just before the real step: ZeRO stage 0
@@ -55,14 +59,26 @@ def watch(engine: Any, **watch_kwargs: Any) -> WatchHandle:
             "ampwatch.integrations.deepspeed.watch() takes the DeepSpeedEngine that "
             f"deepspeed.initialize() returns, got {type(engine).__name__}"
         )
-    for owned in ("start_step", "optimizer", "scaler"):
+    for owned in ("start_step", "optimizer", "scaler", "min_loss_scale"):
         if owned in watch_kwargs:
             raise TypeError(f"watch(engine) sets {owned} itself from the engine")
-    handle = watch_model(engine.module, None, None, start_step=engine.global_steps, **watch_kwargs)
+    handle = watch_model(engine.module, None, None, start_step=engine.global_steps,
+                         min_loss_scale=min_loss_scale(engine), **watch_kwargs)  # fmt: skip
     tap = _EngineTap(engine, handle)
     tap.attach()
     handle._detach_actions.insert(0, tap.detach)
     return handle
+
+
+def min_loss_scale(engine: Any) -> float | None:
+    """The floor of the engine's dynamic FP16 loss scaler (None: BF16, FP32 or a static
+    scale, whose scale never moves). Read from the engine's config, which every FP16
+    optimizer (FP16_Optimizer, FP16_UnfusedOptimizer, ZeRO) builds its scaler from."""
+    if not (engine.fp16_enabled() and engine.dynamic_loss_scale()):
+        return None
+    floor = engine.dynamic_loss_scale_args().get("min_scale")
+    is_number = isinstance(floor, (int, float)) and not isinstance(floor, bool)
+    return float(floor) if is_number and floor > 0 else None
 
 
 def _loss_scale(optimizer: Any) -> float | None:

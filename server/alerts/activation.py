@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from ampwatch.agent.wire import decode_float
+from ampwatch.agent.wire import WireFloat, decode_float
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt
@@ -19,11 +19,18 @@ from ampwatch.server.schemas import StepIn
 
 
 def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
+    """The step's norm to judge: before the final norm when the agent measured it (the norm
+    holds a divergence down after it: on the lr blow-up scenario the value before it
+    reached x2 its median 9 steps earlier), the signal before the other statistic. An agent measures the pre-norm value on every step or on
+    none, so one run's baseline is never a mix."""
     other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
-    raw = getattr(record, rule.signal)
-    if raw is None:
-        raw = getattr(record, other)
-    return decode_float(raw) if raw is not None else None
+    names = (rule.signal, other)
+    for name in [n.replace("act_norm", "act_prenorm") for n in names] + list(names):
+        raw: WireFloat | None = getattr(record, name)
+        if raw is not None:
+            value: float | None = decode_float(raw)
+            return value
+    return None
 
 
 def act_baselines(

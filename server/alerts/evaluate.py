@@ -44,7 +44,13 @@ from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
 from ampwatch.server.alerts.layers import LayerSamples, LayerState
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import finite
-from ampwatch.server.alerts.scale import loss_scale_collapse, nan_detail, scale_floor_stall
+from ampwatch.server.alerts.scale import (
+    loss_scale_collapse,
+    nan_detail,
+    reported_floor,
+    scale_floor_stall,
+    track_low_scale,
+)
 from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.fp8_readiness import recipe_of
@@ -141,6 +147,7 @@ def _apply_events(
             if state.rank is not None and rank != state.rank:
                 continue  # another rank's process: the followed one still runs
             state.reset_process()
+            state.min_loss_scale = reported_floor(event.data)
             state.last_step = None
             restarted = rank
             for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
@@ -261,16 +268,7 @@ def _evaluate_steps(
                 cut += 1
             if cut:
                 del changes[:cut]
-            # Below min_scale (or skipping at it): a collapse while the scale still falls;
-            # once falling, it holds until the scale is back.
-            if scale > collapse.min_scale or (scale == collapse.min_scale and not skipped):
-                d.below_since = None
-                d.below_falling = False
-            else:
-                if d.below_since is None:
-                    d.below_since = s
-                if not d.below_falling:
-                    d.below_falling = spikes.still_falling(recent, s, scale, collapse)
+            track_low_scale(d, recent, s, scale, skipped, collapse)
         if skipped:
             if d.skip_run == 0:
                 d.skip_run_start = s

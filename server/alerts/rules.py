@@ -46,8 +46,8 @@ class LossScaleCollapse(RuleSettings):
         default=1.0,
         ge=0,
         description="Fire when the loss scale falls below this, or skips at it, while it is "
-        "still falling (trend_steps) (DeepSpeed and Megatron floor at 1; OPT-175B restarted "
-        "from checkpoints whose scale was still >= 1).",
+        "still falling (trend_steps), whatever floor the run reports (DeepSpeed and Megatron "
+        "floor at 1; OPT-175B restarted from checkpoints whose scale was still >= 1).",
     )
     fall_octaves: int = Field(
         default=8,
@@ -86,6 +86,16 @@ class LossScaleCollapse(RuleSettings):
         "hysteresis of 2 on its second), while one restored from a checkpoint starts "
         "calibrated, so a cascade after clean steps (BigScience tr8b-104B: resumed, 2 clean "
         "steps, then 6 of 7 skipped, then NaN) is an incident.",
+    )
+    floor_headroom_octaves: int = Field(
+        default=4,
+        ge=1,
+        le=64,
+        description="When the run reports its scaler's floor (run_start min_loss_scale): fire "
+        "at a skip attempted below 2^this times it, falling or not: that skip's halving and a "
+        "burst of 3 more (overflow_burst) would take the scale below the floor, where fairseq "
+        "stops training and DeepSpeed and Megatron skip every step (a healthy DeepSpeed-Chat "
+        "run skipped at 16 over its floor 1: a burst would leave it at the floor).",
     )
     trend_steps: int = Field(
         default=50,
@@ -310,13 +320,15 @@ class ScaleFloorStall(RuleSettings):
         description="...or at once, after this many steps in a row skipped at one unchanged "
         "scale of at most floor_max_scale: the scaler's own behaviour says it is floored "
         "(DeepSpeed 'Attempted loss scale: 1, reducing to 1'); a hysteresis skip leaves the "
-        "scale unchanged only once.",
+        "scale unchanged only once. A run that reports its floor (run_start min_loss_scale) "
+        "fires at its first skip at that floor instead.",
     )
     floor_max_scale: float = Field(
         default=1.0,
         ge=0,
-        description="Largest scale treated as a floor by floor_skips (DeepSpeed and Megatron "
-        "floor at 1; a scaler's configured floor above it is reached after window_steps).",
+        description="Largest scale treated as a floor by floor_skips when the run reports "
+        "none (DeepSpeed and Megatron floor at 1; an unreported floor above it is reached "
+        "after window_steps).",
     )
 
 
@@ -441,9 +453,11 @@ RULES: dict[str, Rule] = {
     for rule in (
         Rule(
             "loss_scale_collapse", "critical", "run", LossScaleCollapse,
-            "The dynamic loss scale fell below min_scale (or skips at it) while still "
-            "falling, fell by 2^fall_octaves within window_steps without recovering, or "
-            "max_consecutive_skips steps in a row were skipped (warm-up calibration excepted).",
+            "The dynamic loss scale fell below min_scale (or skips at it) while still falling, "
+            "skipped below 2^floor_headroom_octaves times the scaler's floor the run reported, "
+            "fell by 2^fall_octaves within window_steps without recovering, "
+            "or max_consecutive_skips steps in a row were skipped (warm-up calibration "
+            "excepted).",
         ),
         Rule(
             "skip_rate", "warning", "run", SkipRate,
@@ -471,8 +485,9 @@ RULES: dict[str, Rule] = {
         Rule(
             "scale_floor_stall", "critical", "run", ScaleFloorStall,
             "Every step of a window was skipped while the loss scale sat unchanged at a "
-            "floor (at once after floor_skips at a scale <= floor_max_scale: 'reducing 1 to "
-            "1'): the process runs but training has stopped.",
+            "floor (at once at the scaler's floor the run reported; without one, after "
+            "floor_skips at a scale <= floor_max_scale: 'reducing 1 to 1'): the process runs "
+            "but training has stopped.",
         ),
         Rule(
             "no_data", "warning", "run", NoData,

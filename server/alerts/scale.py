@@ -1,17 +1,77 @@
-"""The loss-scale rules: `loss_scale_collapse` (below min_scale while falling, an unrecovered
+"""The loss-scale rules: `loss_scale_collapse` (a low scale while falling, an unrecovered
 fall of 2^k, K skips in a row), `scale_floor_stall`, `skip_rate`, and `nan_loss`'s message.
-Each judges one step against the `StepState` the engine moved to it."""
+Each judges one step against the `StepState` the engine moved to it.
+
+"Low": a scale below min_scale (DeepSpeed's and Megatron's floor, 1) while it is falling;
+and, when the run reports its scaler's configured floor (`wire.MIN_LOSS_SCALE` in
+run_start), a skip below 2^floor_headroom_octaves x that floor, at once, and a skip at it
+is a stall at once (floor_max_scale guesses the stall's floor otherwise)."""
 
 from __future__ import annotations
 
 import bisect
 import math
+from collections.abc import Mapping
 from typing import Any
 
+from ampwatch.agent import wire
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt, octaves
+from ampwatch.server.alerts.spikes import RecentState, still_falling
 from ampwatch.server.alerts.state import StepState
+
+
+def reported_floor(run_start: Mapping[str, Any]) -> float | None:
+    """The scaler's configured floor a run_start reports, if it is a positive finite number.
+
+    >>> reported_floor({"min_loss_scale": 1e-4}), reported_floor({"min_loss_scale": None})
+    (0.0001, None)
+    """
+    floor = run_start.get(wire.MIN_LOSS_SCALE)
+    if isinstance(floor, bool) or not isinstance(floor, (int, float)):
+        return None
+    return float(floor) if math.isfinite(floor) and floor > 0 else None
+
+
+def near_floor(d: StepState, rule: rules.LossScaleCollapse) -> float | None:
+    """The scale below which a skip threatens a run that reported its floor: that skip's
+    halving and a burst of 3 more would cross the floor (2^floor_headroom_octaves x it)."""
+    if d.min_loss_scale is None:
+        return None
+    return float(d.min_loss_scale * 2.0**rule.floor_headroom_octaves)
+
+
+def track_low_scale(
+    d: StepState,
+    recent: RecentState,
+    s: int,
+    scale: float,
+    skipped: bool,
+    rule: rules.LossScaleCollapse,
+) -> None:
+    """Move the low-scale test to step `s`: a scale near the reported floor is a collapse
+    once it skips there; a scale below min_scale (or skipping at it) while it is still
+    falling; then it holds until the scale is back."""
+    near = near_floor(d, rule)
+    at_floor = near is not None and scale < near
+    guessed = scale < rule.min_scale or (scale == rule.min_scale and skipped)
+    if not at_floor:
+        d.near_floor_since = None
+    elif d.near_floor_since is None:
+        d.near_floor_since = s
+    if not (at_floor or guessed):
+        d.below_since = None
+        d.below_falling = False
+        return
+    if d.below_since is None:
+        d.below_since = s
+    if d.below_falling:
+        return
+    if at_floor and skipped:  # its onset: the first step near the floor
+        d.below_falling, d.below_since = True, d.near_floor_since
+    elif guessed:
+        d.below_falling = still_falling(recent, s, scale, rule)
 
 
 def loss_scale_collapse(
@@ -22,10 +82,17 @@ def loss_scale_collapse(
     onsets: list[int] = []
     if d.below_since is not None and scale is not None and d.below_falling:
         onsets.append(d.below_since)
-        where = "is below" if scale < rule.min_scale else "is skipping at"
-        parts.append(f"loss scale {fmt(scale)} {where} min_scale {fmt(rule.min_scale)} "
-                     f"since step {d.below_since}, falling")  # fmt: skip
-        values.update(min_scale=rule.min_scale, below_since_step=d.below_since)
+        floor, near = d.min_loss_scale, near_floor(d, rule)
+        if floor is not None and near is not None and scale < near:
+            parts.append(f"loss scale {fmt(scale)} is skipping {octaves(scale / floor)} above "
+                         f"the scaler's floor {fmt(floor)} since step {d.below_since}: a burst "
+                         "of overflows would take it below the floor")  # fmt: skip
+            values.update(min_loss_scale=floor, below_since_step=d.below_since)
+        else:
+            where = "is below" if scale < rule.min_scale else "is skipping at"
+            parts.append(f"loss scale {fmt(scale)} {where} min_scale {fmt(rule.min_scale)} "
+                         f"since step {d.below_since}, falling")  # fmt: skip
+            values.update(min_scale=rule.min_scale, below_since_step=d.below_since)
     if not d.calibrating:
         changes = d.changes
         if scale is not None and changes:
@@ -96,7 +163,10 @@ def scale_floor_stall(
         d.stall_run, d.stall_start, d.stall_scale = 0, None, None
     if not rule.enabled:
         return
-    floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
+    if d.min_loss_scale is not None:  # the scaler said where its floor is
+        floored = d.stall_run >= 1 and d.stall_scale <= d.min_loss_scale
+    else:
+        floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
     if d.stall_run >= rule.window_steps or floored:
         run, start, floor = d.stall_run, d.stall_start, d.stall_scale
         tracker.holds(

@@ -50,6 +50,9 @@ class StepState:
     clean_run: int = 0
     process_steps: int = 0
     cascade: bool = False
+    #: The loss scaler's configured floor, as this process's run_start reported it (None:
+    #: not reported; the scale rules then fall back to min_scale and floor_max_scale).
+    min_loss_scale: float | None = None
     #: The scale of the last step, and its change points within the fall window.
     scale: float | None = None
     changes: list[list[Any]] = field(default_factory=list)
@@ -62,6 +65,8 @@ class StepState:
     skips: list[int] = field(default_factory=list)
     counted_from: int | None = None
     below_since: int | None = None
+    #: The first step of the current stretch below `scale.near_floor` (a reported floor).
+    near_floor_since: int | None = None
     below_falling: bool = False
     nan_since: int | None = None
     last_fall: int | None = None

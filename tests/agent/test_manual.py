@@ -31,6 +31,19 @@ def test_record_takes_numbers_and_tensors(collector: FakeCollector) -> None:
     assert collector.steps()[1]["loss"] == "NaN"
     assert handle.step == 10
     assert collector.events("run_start")[0]["data"]["mode"] == "manual"
+    assert collector.events("run_start")[0]["data"]["min_loss_scale"] is None  # not reported
+
+
+def test_the_scalers_floor_goes_in_run_start_and_is_checked_at_attach(
+    collector: FakeCollector,
+) -> None:
+    watch(nn.Linear(2, 2), transport=collector, min_loss_scale=1e-4).detach()
+    assert collector.events("run_start")[0]["data"]["min_loss_scale"] == 1e-4
+    bad = ((0.0, ValueError), (float("inf"), ValueError), (-1, ValueError),
+           ("1e-4", TypeError), (True, TypeError))  # fmt: skip
+    for value, error in bad:
+        with pytest.raises(error, match="min_loss_scale"):
+            watch(nn.Linear(2, 2), transport=collector, min_loss_scale=value)
 
 
 def test_record_never_raises(collector: FakeCollector) -> None:

@@ -313,3 +313,42 @@ def test_gradient_range_is_exact_for_any_scale(scaler_args: dict, collector: Fak
     stats = records[0]["stats"]
     assert 0 < stats["flush_fraction"][0] < 1 and 0 < stats["subnormal_fraction"][0] < 1
     assert records[0]["exponent_histograms"]["offsets"][0] == 0  # float32 subnormals/zeros
+
+
+def test_the_norm_before_the_final_norm_is_measured_besides_the_one_after_it(
+    collector: FakeCollector,
+) -> None:
+    """The demo model (pre-norm blocks, a final LayerNorm, a head): act_norm_* is the head's
+    input, after the final norm; act_prenorm_* is that norm's input, the residual stream
+    the last block returns, exactly as a direct forward computes them."""
+    from ampwatch.server.demo import VOCAB, tiny_lm
+
+    model = tiny_lm(0)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    handle = watch(model, optimizer, transport=collector)
+    tokens = torch.randint(0, VOCAB, (4, 8))
+    captured: dict[str, torch.Tensor] = {}
+    model.norm.register_forward_hook(lambda m, args, out: captured.update(pre=args[0], post=out))
+    loss = model(tokens).float().pow(2).mean()
+    loss.backward()
+    optimizer.step()
+    handle.detach()
+
+    (record,) = collector.steps()
+    pre = torch.linalg.vector_norm(captured["pre"].detach(), dim=-1)
+    post = torch.linalg.vector_norm(captured["post"].detach(), dim=-1)
+    assert record["act_prenorm_mean"] == pytest.approx(pre.mean().item(), rel=1e-5)
+    assert record["act_prenorm_max"] == pytest.approx(pre.max().item(), rel=1e-5)
+    assert record["act_norm_mean"] == pytest.approx(post.mean().item(), rel=1e-5)
+    assert record["act_prenorm_mean"] != pytest.approx(record["act_norm_mean"], rel=0.05)
+
+
+def test_no_final_norm_no_prenorm_field(collector: FakeCollector) -> None:
+    model = Net()  # no LayerNorm: the head's input is already the last block's output
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.01)
+    handle = watch(model, optimizer, transport=collector)
+    model(torch.randn(4, 16)).pow(2).mean().backward()
+    optimizer.step()
+    handle.detach()
+    (record,) = collector.steps()
+    assert "act_prenorm_mean" not in record and record["act_norm_mean"] is not None

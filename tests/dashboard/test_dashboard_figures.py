@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import replace
 from typing import Any
 
 import plotly.graph_objects as go
@@ -106,6 +107,17 @@ def test_activation_norm_has_mean_and_max_with_gaps(series: StepSeries) -> None:
     assert values(trace(figure, "max over tokens").y) == [11.2, 11.0, 12.5, 13.0, 40.0, 12.0]
     assert figure.layout.yaxis.title.text == "activation L2 norm"
     assert figure.layout.yaxis.type == "log"  # a spike must not flatten the baseline
+
+
+def test_activation_norm_shows_the_norm_before_the_final_norm_when_measured(
+    series: StepSeries,
+) -> None:
+    names = [t.name for t in figures.activation_norm_figure(series).data]
+    assert "mean before the final norm" not in names  # not measured: no empty trace
+    prenorm = [30.0, 31.0, None, 33.0, 90.0, 35.0]
+    measured = replace(series, act_prenorm_mean=prenorm)
+    figure = figures.activation_norm_figure(measured)
+    assert values(trace(figure, "mean before the final norm").y) == prenorm
 
 
 def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, Any]) -> None:

@@ -98,7 +98,8 @@ def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_colle
         precision: {"enabled": True},
     }
     if precision == "fp16":
-        config["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2})
+        config["fp16"].update({"loss_scale": 0, "initial_scale_power": 16, "hysteresis": 2,
+                               "min_loss_scale": 2})  # fmt: skip
     engine, *_ = deepspeed.initialize(
         model=model, optimizer=optimizer, lr_scheduler=schedule, config=config
     )
@@ -147,7 +148,11 @@ def test_deepspeed_engine_is_stored_exactly(case: str, process_group, live_colle
     assert truth.skipped == [not a for a in applied]  # the step counter and the engine agree
     assert len(truth.skipped) == steps == engine.global_steps
     assert sum(truth.skipped) >= 2, "overflows were not forced"
-    assert_matches(stored_run(live_collector.url, case), truth)
+    stored = stored_run(live_collector.url, case)
+    assert_matches(stored, truth)
+    # The scaler's configured floor reaches the run_start (BF16 has no scaler).
+    (start,) = [e for e in stored["events"] if e["kind"] == "run_start"]
+    assert start["data"]["min_loss_scale"] == (2.0 if precision == "fp16" else None)
 
 
 def test_the_manual_api_example_records_one_step_per_boundary(process_group, live_collector):

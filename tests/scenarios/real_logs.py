@@ -39,6 +39,9 @@ class Excerpt:
     source: str
     steps: list[Step]
     checkpoints: list[tuple[int, str]] = field(default_factory=list)
+    #: The scaler's configured floor (the ``# min_loss_scale:`` header, its source and
+    #: whether it is an inference in ``# min_loss_scale-source:``); None: not known.
+    min_loss_scale: float | None = None
 
 
 @dataclass(frozen=True)
@@ -70,7 +73,9 @@ def load_excerpt(path: Path) -> Excerpt:
     _, _, entries = parse_lines(lines, fmt, str(path))
     steps = [e for e in entries if isinstance(e, Step)]
     checkpoints = [(e.step, e.path) for e in entries if isinstance(e, Checkpoint)]
-    return Excerpt(path.stem, header["format"], header["source"], steps, checkpoints)
+    floor = header.get("min_loss_scale")
+    return Excerpt(path.stem, header["format"], header["source"], steps, checkpoints,
+                   float(floor) if floor is not None else None)  # fmt: skip
 
 
 #: The corpus' `# format:` names (which say what shape of log an excerpt is) -> the
@@ -104,16 +109,20 @@ def corpus() -> list[tuple[Excerpt, Label]]:
 # -- replay through the agent's manual API --------------------------------------------------
 
 
-def replay(excerpt: Excerpt, url: str, *, project: str = "real-logs") -> str:
+def replay(
+    excerpt: Excerpt, url: str, *, project: str = "real-logs", report_floor: bool = True
+) -> str:
     """Send `excerpt` through `handle.record()` into the collector at `url`, as a loop with
-    DeepSpeed / fairseq / Megatron / apex would; return the run's client id."""
+    DeepSpeed / fairseq / Megatron / apex would, reporting the scaler's floor where the
+    excerpt knows it (`report_floor`); return the run's client id."""
     import torch
 
     from ampwatch.agent import watch
 
     by_step = dict(excerpt.checkpoints)
+    floor = excerpt.min_loss_scale if report_floor else None
     with watch(torch.nn.Linear(1, 1), run=excerpt.name, project=project, url=url,
-               flush_interval=0.2) as handle:  # fmt: skip
+               min_loss_scale=floor, flush_interval=0.2) as handle:  # fmt: skip
         for s in excerpt.steps:
             handle.record(step=s.step, loss=s.loss, loss_scale=s.loss_scale, skipped=s.skipped,
                           grad_norm=s.grad_norm)  # fmt: skip
@@ -189,13 +198,12 @@ PEERS: dict[str, Callable[[list[Step]], list[int]]] = {
 
 
 #: Known, measured exceptions to "no later than any peer": (excerpt, peer) -> the steps by
-#: which ampwatch is later, and why. fairseq-1895's first known scale (0.001, skipped) is far
-#: below 1.0, so a fixed floor flags it at once; ampwatch waits for a second skip below the
-#: floor (trend_skips), since one skip at a low scale is what a healthy fairseq run at 0.5
-#: does once per epoch (fairseq-2493), where the fixed floor is a false alert. No principled
-#: rule fires on one skip far below 1.0 and not on one at 0.5 without a depth threshold
-#: chosen between these two excerpts (see the issue #13 closing note).
-KNOWN_LATER = {("fairseq-1895-min-scale", "min_scale_1 (DeepSpeed)"): 1}
+#: which ampwatch is later, and why. None since runs report their scaler's floor: with
+#: fairseq's 1e-4 reported, fairseq-1895's first skip (0.001, 2^3.3 above it) fires at once.
+#: Without it (`replay(report_floor=False)`) ampwatch waits for a second skip below 1.0
+#: (trend_skips) and is 1 step later than a fixed min_scale of 1, the price of keeping
+#: healthy fairseq-2493 (one skip at 0.5 per epoch) quiet.
+KNOWN_LATER: dict[tuple[str, str], int] = {}
 
 
 def first_alert(steps: list[int]) -> int | None:
@@ -304,12 +312,14 @@ def judge_replay(excerpt: Excerpt, label: Label, alerts: list[dict[str, Any]],
     return Verdict(excerpt, label, fired, advisor, peers)
 
 
-def replay_and_judge(excerpt: Excerpt, label: Label, url: str) -> Verdict:
+def replay_and_judge(
+    excerpt: Excerpt, label: Label, url: str, *, report_floor: bool = True
+) -> Verdict:
     """Replay `excerpt` into the collector at `url` and judge what it said."""
     import httpx
     from scenario_catalog import find_run
 
-    client_run_id = replay(excerpt, url)
+    client_run_id = replay(excerpt, url, report_floor=report_floor)
     with httpx.Client(base_url=url, timeout=30) as api:
         run = find_run(api, client_run_id)
         alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()

@@ -96,3 +96,22 @@ def test_replay(case, live_collector) -> None:  # type: ignore[no-untyped-def]
     assert not problems, f"{excerpt.name} ({label.kind}): {problems}"
     if label.kind == "healthy":
         assert verdict.alerts == [], f"{excerpt.name}: {verdict.alerts}"
+
+
+def test_the_reported_floor_decides_fairseq_1895_at_its_first_low_skip(live_collector) -> None:  # type: ignore[no-untyped-def]
+    """With fairseq's floor reported (1e-4, the error the issue quotes) the first skip, 2^3.3
+    above it, fires at 701, with the fixed min_scale of 1; without it the engine falls back
+    to min_scale 1 and waits for a second low skip (702). The healthy run steady at 0.5
+    stays quiet either way."""
+    cases = {excerpt.name: (excerpt, label) for excerpt, label in CASES}
+    excerpt, label = cases["fairseq-1895-min-scale"]
+    assert excerpt.min_loss_scale == 1e-4
+    reported = replay_and_judge(excerpt, label, live_collector.url)
+    fallback = replay_and_judge(excerpt, label, live_collector.url, report_floor=False)
+    assert (reported.first_alert, fallback.first_alert) == (701, 702)
+    (alert,) = reported.alerts
+    assert "above the scaler's floor 0.0001" in alert["message"]
+    healthy, quiet = cases["fairseq-2493-steady-half"]
+    for report_floor in (True, False):
+        verdict = replay_and_judge(healthy, quiet, live_collector.url, report_floor=report_floor)
+        assert verdict.alerts == [], report_floor

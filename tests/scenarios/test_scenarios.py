@@ -10,6 +10,8 @@ exists, the second half is skipped with a message; the first half always runs.
 
 from __future__ import annotations
 
+import math
+import statistics
 from pathlib import Path
 
 import pytest
@@ -50,3 +52,32 @@ def test_collapse_scenario_on_postgres(live_collector_postgres, tmp_path: Path) 
     once more over PostgreSQL."""
     scenario = BY_NAME["lr_blowup_collapse"]
     _check(run_scenario(scenario, live_collector_postgres.url, tmp_path / "checkpoints"))
+
+
+def _first_ratio(values: list[float], steps: list[float], ratio: float = 2.0) -> float | None:
+    """The first step whose value is `ratio` x the median of the (up to 128) finite values
+    before it, once 50 exist: the activation rule's ratio test, without its z-score."""
+    seen: list[float] = []
+    for step, value in zip(steps, values, strict=True):
+        if not math.isfinite(value):
+            continue
+        if len(seen) >= 50 and value >= ratio * statistics.median(seen[-128:]):
+            return step
+        seen.append(value)
+    return None
+
+
+def test_lr_blowup_spikes_before_the_final_norm_first(live_collector, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    """On the lr blow-up, the norm before the final LayerNorm reaches x2 its rolling median
+    (the spike rule's min_ratio) before the norm after it, which the LayerNorm holds
+    down, and activation_norm_spike fires on it, before the first non-finite loss."""
+    outcome = run_scenario(BY_NAME["lr_blowup_collapse"], live_collector.url, tmp_path / "c")
+    steps, losses = outcome.obs.series("step"), outcome.obs.series("loss")
+    first_nan = next(s for s, loss in zip(steps, losses, strict=True) if not math.isfinite(loss))
+    post = _first_ratio(outcome.obs.series("act_norm_mean"), steps)
+    pre = _first_ratio(outcome.obs.series("act_prenorm_mean"), steps)
+    (alert,) = [a for a in outcome.fired if a["rule"] == "activation_norm_spike"]
+    print(f"x2 its median: pre-norm at {pre}, post-norm at {post}; alert at "
+          f"{alert['fired_step']}, first NaN loss at {first_nan}")  # fmt: skip
+    assert pre is not None and post is not None and pre < post, (pre, post)
+    assert pre <= alert["fired_step"] < min(post, first_nan)

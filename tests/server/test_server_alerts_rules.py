@@ -111,6 +111,21 @@ def test_activation_spike_is_a_warning_alone_and_critical_with_a_falling_scale(
     assert "OPT-175B" in alerts[1].message
 
 
+def test_the_activation_rule_judges_the_norm_before_the_final_norm(feed: Feed) -> None:
+    """With act_prenorm_* reported, a x5 rise there fires while the post-norm value, which
+    the final LayerNorm holds flat, would not."""
+    records = healthy(1, 200)
+    for record in records:
+        record["act_prenorm_mean"] = 10.0 * record["act_norm_mean"]
+        record["act_prenorm_max"] = 20.0 * record["act_norm_mean"]
+    for record in records[150:160]:
+        record["act_prenorm_mean"] = 5 * record["act_prenorm_mean"]
+    feed.send_steps(records)
+    (alert,) = feed.alerts(rule="activation_norm_spike")
+    assert (alert.started_step, alert.fired_step) == (151, 151)
+    assert alert.values["act_norm"] > 400  # the pre-norm value (post-norm: ~10)
+
+
 def test_a_spike_then_a_fall_escalates_to_critical(feed: Feed) -> None:
     feed.send_steps(healthy(1, 299))
     feed.send(healthy(300, 1, act=60.0) + healthy(301, 3)
@@ -253,6 +268,43 @@ def test_scale_floor_stall(feed: Feed) -> None:
     assert alert.status == "firing" and alert.severity == "critical"
     assert alert.started_step == 201 and alert.fired_step == 250
     assert "pinned at 2" in alert.message
+
+
+def run_start(**data: object) -> dict:
+    return {"kind": "run_start", "step": None, "time": 1_767_225_700.0, "data": data}
+
+
+def test_a_reported_floor_makes_a_skip_near_it_critical_and_a_stable_low_scale_quiet(
+    feed: Feed,
+) -> None:
+    """fairseq's floor 1e-4 reported: a run steady at 2e-3 (2^4.3 above it) skipping now
+    and then stays quiet, and so does a clean scale within 2^4 of the floor; the first skip
+    there fires at once (not falling: one halving), and a skip at the floor is a stall at
+    once."""
+    feed.send(healthy(1, 10, scale=2e-3), events=[run_start(min_loss_scale=1e-4)])
+    feed.send_steps(healthy(11, 995, scale=2e-3, skips={300: 2e-3, 700: 2e-3, 1000: 2e-3}))
+    feed.send_steps(healthy(1006, 4, scale=1e-3))
+    assert feed.alerts() == []
+    feed.send([step_record(1010, skipped=True, loss=2.0, loss_scale=1e-3)])
+    (alert,) = feed.alerts(rule="loss_scale_collapse")
+    assert (alert.status, alert.fired_step, alert.started_step) == ("firing", 1010, 1006)
+    assert "is skipping 2^3.3 above the scaler's floor 0.0001 since step 1006" in alert.message
+    assert alert.values["min_loss_scale"] == 1e-4
+    assert feed.alerts(rule="scale_floor_stall") == []
+    feed.send([step_record(1011, skipped=True, loss=2.0, loss_scale=1e-4)])
+    (stall,) = feed.alerts(rule="scale_floor_stall")
+    assert (stall.status, stall.fired_step) == ("firing", 1011)
+
+
+def test_without_a_reported_floor_a_new_process_falls_back_to_min_scale(feed: Feed) -> None:
+    """A floor reported by one process is not the next one's: a run_start without it
+    brings back min_scale (a single skip at 8e-4, not falling, stays quiet)."""
+    feed.send(healthy(1, 10, scale=1.0), events=[run_start(min_loss_scale=1e-4)])
+    assert feed.state()["min_loss_scale"] == 1e-4
+    feed.send(healthy(11, 10, scale=8e-4), events=[run_start(min_loss_scale=None)])
+    feed.send([step_record(21, skipped=True, loss=2.0, loss_scale=8e-4)])
+    assert feed.state()["min_loss_scale"] is None
+    assert feed.alerts(rule="loss_scale_collapse") == []
 
 
 def test_nan_loss_is_split_from_gradient_overflow(feed: Feed) -> None:

@@ -61,9 +61,11 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert series["lr"] == [1e-3] * 5
     assert set(series) == {
         "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
-        "act_norm_max", "grad_norm_clipped", "skipped_count", "bucket_width", "lr_groups",
+        "act_norm_max", "grad_norm_clipped", "act_prenorm_mean", "act_prenorm_max",
+        "skipped_count", "bucket_width", "lr_groups",
     }  # fmt: skip
     assert series["grad_norm_clipped"] == [None] * 5
+    assert series["act_prenorm_mean"] == series["act_prenorm_max"] == [None] * 5
     assert series["lr_groups"] == [None] * 5  # one param group: `lr` alone
     assert series["skipped_count"] == [0, 1, 1, 0, 0]
     assert series["bucket_width"] == 1
