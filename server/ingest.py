@@ -40,6 +40,7 @@ from ampwatch.agent.wire import (
 from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
+from ampwatch.server.layer_rollups import ROLLUP_COLUMNS, ROLLUP_KEY, refresh_layer_rollups
 from ampwatch.server.models import (
     RUN_KEY,
     Base,
@@ -47,6 +48,7 @@ from ampwatch.server.models import (
     IngestedBatch,
     Layer,
     LayerHistogram,
+    LayerRollup,
     LayerStat,
     Module,
     Run,
@@ -192,7 +194,7 @@ def _name_indices(
         indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
-        indices = {name: idx for name, idx in rows}
+        indices = {str(name): int(idx) for name, idx in rows}
         with _NAMES_LOCK:
             _remember(cache, key, indices)
     else:
@@ -254,7 +256,22 @@ def _store_layer_stats(session: Session, run: Run, records: list[LayerStatsIn]) 
             module_parts.setdefault(key, []).append((indices, act.max_abs))
         rows += _packed_rows(run_id, module_parts, len(module_idx))
     _upsert(session, LayerStat, _LAYER_STAT_COLUMNS, rows, _LAYER_STAT_KEY)
+    _upsert(
+        session, LayerRollup, ROLLUP_COLUMNS,
+        refresh_layer_rollups(session, run_id, _spans(rows), run.layer_stats_aged_before),
+        ROLLUP_KEY,
+    )  # fmt: skip
     _store_histograms(session, run_id, records, layer_idx)
+
+
+def _spans(rows: list[tuple[Any, ...]]) -> dict[int, tuple[int, int, set[str]]]:
+    """Per rank, the first and last step and the statistics of the stored packed rows."""
+    spans: dict[int, tuple[int, int, set[str]]] = {}
+    for _, rank, stat, step, _ in rows:
+        first, last, stats = spans.get(rank, (step, step, set()))
+        stats.add(stat)
+        spans[rank] = (min(first, step), max(last, step), stats)
+    return spans
 
 
 #: `layer_histograms` columns in the order of `_store_histograms`' tuples.
