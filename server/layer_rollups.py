@@ -303,10 +303,11 @@ def plan_reads(
         if first > last:
             return
         if k < 0:
-            if aged_before is not None and first < aged_before:  # no raw rows: the bucket
-                start = first // FINEST * FINEST
-                pieces.append((FINEST, start, start))
-            else:
+            if aged_before is not None and first < aged_before:  # no raw rows: the buckets
+                aged_last = min(last, aged_before - 1)
+                pieces.append((FINEST, first // FINEST * FINEST, aged_last // FINEST * FINEST))
+                first = aged_last + 1
+            if first <= last:
                 pieces.append((None, first, last))
             return
         level = LAYER_LEVELS[k]
