@@ -35,8 +35,9 @@ from typing import Any
 import numpy as np
 import numpy.typing as npt
 from sqlalchemy import delete, func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
+from ampwatch.server.db import begin_write
 from ampwatch.server.models import LayerRollup, LayerStat, Run
 from ampwatch.server.packed import MISSING_BITS, unpack_matrix
 
@@ -323,6 +324,23 @@ def plan_reads(
     cover(low, high, top)
     level = LAYER_LEVELS[top]
     return max(level, -(-width // level) * level), pieces
+
+
+def age_runs(sessions: sessionmaker[Session], keep_steps: int) -> dict[int, int]:
+    """Age every run whose raw layer samples span more than `keep_steps` (one transaction
+    per run, the run locked as ingest locks it); returns run id -> raw rows deleted."""
+    with sessions() as session:
+        run_ids = list(session.scalars(select(Run.id).order_by(Run.id)))
+    aged = {}
+    for run_id in run_ids:
+        with sessions() as session:
+            begin_write(session)
+            run = session.scalars(select(Run).where(Run.id == run_id).with_for_update()).first()
+            deleted = 0 if run is None else age_layer_stats(session, run, keep_steps)
+            session.commit()
+        if deleted:
+            aged[run_id] = deleted
+    return aged
 
 
 def age_layer_stats(session: Session, run: Run, keep_steps: int) -> int:

@@ -20,7 +20,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.agent.wire import WIRE_VERSION
-from ampwatch.server import migrate, series
+from ampwatch.server import cli, migrate, series
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS, age_layer_stats
@@ -248,7 +248,7 @@ def test_whole_run_reads_rollups_and_zoom_reads_raw_rows(
 
 
 def test_aging_keeps_the_rollups_and_every_read_correct(
-    sessions: sessionmaker[Session],
+    sessions: sessionmaker[Session], db_url: str, capsys: pytest.CaptureFixture[str]
 ) -> None:
     run_id = _long_run(sessions)
     with sessions() as session:
@@ -257,13 +257,14 @@ def test_aging_keeps_the_rollups_and_every_read_correct(
         before_layer = series.layer_series(
             session, run_id, NAMES[1], 1, "zero_fraction", 0, max_points=40
         )
+    assert cli.main(["age-layer-stats", "--keep-steps", "5000", "--database-url", db_url]) == 0
+    assert "1 run(s) aged" in capsys.readouterr().out
+    with sessions() as session:
         run = session.get(Run, run_id)
         assert run is not None
-        assert age_layer_stats(session, run, keep_steps=5_000) > 0
-        session.commit()
-    with sessions() as session:
+        assert age_layer_stats(session, run, keep_steps=5_000) == 0  # nothing left to age
         horizon = (19_990 - 5_000) // 64 * 64
-        assert session.get(Run, run_id).layer_stats_aged_before == horizon  # type: ignore[union-attr]
+        assert run.layer_stats_aged_before == horizon
         left = _raw(session, run_id, 0, "zero_fraction")
         assert left and left[0][0] >= horizon and left == [r for r in raw if r[0] >= horizon]
         # Whole-run reads: the same answers as before aging (they came from rollups).
