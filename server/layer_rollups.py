@@ -149,6 +149,42 @@ def _widened(parts: list[Extremes]) -> list[Extremes]:
     return out
 
 
+def _reduce(parts: list[tuple[int, Extremes]], level: int) -> dict[int, Extremes]:
+    """(step or bucket start, extremes) parts of one statistic, reduced per `level`
+    bucket in a few array operations (one `combine` per bucket was half of ingest's
+    time spent on rollups)."""
+    parts.sort(key=lambda part: part[0])
+    keys = np.array([key // level for key, _ in parts], dtype=np.int64)
+    rows = _widened([e for _, e in parts])
+    starts = np.concatenate(([0], np.flatnonzero(np.diff(keys)) + 1)).astype(np.intp)
+    max_v, max_m = np.stack([r.maxima for r in rows]), np.stack([r.max_missing for r in rows])
+    min_v, min_m = np.stack([r.minima for r in rows]), np.stack([r.min_missing for r in rows])
+    max_none = np.logical_and.reduceat(max_m, starts, axis=0)
+    maxima = np.maximum.reduceat(np.where(max_m, -np.inf, max_v), starts, axis=0)
+    maxima[max_none] = np.nan
+    nan = np.isnan(min_v) & ~min_m
+    ordinary = ~(min_m | nan)
+    has_ordinary = np.logical_or.reduceat(ordinary, starts, axis=0)
+    minima = np.minimum.reduceat(np.where(ordinary, min_v, np.inf), starts, axis=0)
+    minima = np.where(has_ordinary, minima, np.nan)
+    min_none = ~(has_ordinary | np.logical_or.reduceat(nan, starts, axis=0))
+    firsts = np.minimum.reduceat(np.array([r.first_step for r in rows]), starts)
+    lasts = np.maximum.reduceat(np.array([r.last_step for r in rows]), starts)
+    counts = np.add.reduceat(np.array([r.samples for r in rows]), starts)
+    return {
+        int(keys[start]) * level: Extremes(
+            int(firsts[i]),
+            int(lasts[i]),
+            int(counts[i]),
+            maxima[i],
+            max_none[i],
+            minima[i],
+            min_none[i],
+        )
+        for i, start in enumerate(starts)
+    }
+
+
 def build_levels(
     samples: Iterable[tuple[str, int, Extremes]],
     children: dict[int, dict[tuple[str, int], Extremes]],
@@ -163,10 +199,14 @@ def build_levels(
         if level > FINEST:
             merged = {**children.get(level, {}), **levels[level // LEVEL_FACTOR]}
             below = ((stat, start, e) for (stat, start), e in merged.items())
-        parts: dict[tuple[str, int], list[Extremes]] = defaultdict(list)
+        by_stat: dict[str, list[tuple[int, Extremes]]] = defaultdict(list)
         for stat, step, extremes in below:
-            parts[(stat, step // level * level)].append(extremes)
-        levels[level] = {key: combine(_widened(group)) for key, group in parts.items()}
+            by_stat[stat].append((step, extremes))
+        levels[level] = {
+            (stat, start): e
+            for stat, parts in by_stat.items()
+            for start, e in _reduce(parts, level).items()
+        }
     return levels
 
 
