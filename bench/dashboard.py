@@ -2,6 +2,8 @@
 
     python bench/dashboard.py            # 100,000 steps x 500 parameter tensors (SQLite)
     python bench/dashboard.py --quick    # 10,000 steps x 100 tensors
+    python bench/dashboard.py --steps 2000000 --layers 1000 --db-cache /tmp/awq
+        # a three-week run, its database reused from (or left in) bench/query.py's cache
 
 Bar (DESIGN.md, issue 6): the run page of a 100,000-step x 500-tensor run renders in
 <= 2 s in the browser. The run is the query bench's (`bench/query.py`: every step's
@@ -25,13 +27,11 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
 from collector import start_server
-from query import populate
+from query import database
 
 CHROMIUM = Path("/usr/bin/chromium")
 CHROMIUM_ARGS = [
@@ -122,16 +122,17 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--quick", action="store_true", help="10,000 steps x 100 tensors")
     parser.add_argument("--rounds", type=int, help="cold page loads (median; 5, quick 2)")
+    parser.add_argument("--steps", type=int, help="run length (default 100,000)")
+    parser.add_argument("--layers", type=int, help="parameter tensors (default 500)")
+    parser.add_argument("--db-cache", type=Path, help="keep and reuse the populated database")
     args = parser.parse_args()
     from playwright.sync_api import sync_playwright
 
     steps, layers = (10_000, 100) if args.quick else (100_000, 500)
+    steps, layers = args.steps or steps, args.layers or layers
     rounds = args.rounds or (2 if args.quick else 5)
-    with tempfile.TemporaryDirectory() as folder:
-        database_url = f"sqlite:///{Path(folder) / 'bench.db'}"
-        started = time.perf_counter()
-        populate(database_url, steps, layers)
-        print(f"stored {steps:,} steps x {layers} tensors in {time.perf_counter() - started:.0f} s")
+    with database("sqlite", steps, layers, args.db_cache) as database_url:
+        assert database_url is not None  # SQLite is always there
         process, url = start_server(database_url, dashboard=True)
         try:
             with sync_playwright() as playwright:

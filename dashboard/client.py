@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
 from urllib.parse import quote
 
@@ -251,32 +251,57 @@ class LayerSeries:
 @dataclass(frozen=True)
 class LayerHistograms:
     """`GET /runs/{id}/layers/{name}/histograms`: `counts[i][j]` elements of the gradient at
-    `steps[i]` have float32 exponent field `offsets[i] + j` (`ampwatch.agent.wire`)."""
+    `steps[i]` have float32 exponent field `offsets[i] + j` (`ampwatch.agent.wire`), the
+    gradient scaled by `loss_scale[i]`, the loss scale in effect at that step."""
 
     layer: str
     steps: list[int]
     offsets: list[int]
     counts: list[list[int]]
+    loss_scale: list[float | None] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> LayerHistograms:
+        steps = [int(s) for s in data.get("steps", [])]
+        scales = _decode_all(data.get("loss_scale") or [])
         return cls(
             layer=str(data["layer"]),
-            steps=[int(s) for s in data.get("steps", [])],
+            steps=steps,
             offsets=[int(o) for o in data.get("offsets", [])],
             counts=[[int(c) for c in row] for row in data.get("counts", [])],
+            # A collector before the field: no scale known.
+            loss_scale=scales if len(scales) == len(steps) else [None] * len(steps),
         )
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return {**asdict(self), "loss_scale": _encode_all(self.loss_scale)}
+
+    def scales(self) -> list[float | None]:
+        """`loss_scale`, or None per step where it was not given."""
+        return (
+            self.loss_scale if len(self.loss_scale) == len(self.steps) else [None] * len(self.steps)
+        )
 
     def merged(self, other: LayerHistograms) -> LayerHistograms:
         """Both sets of histograms, ordered by step (`other` wins a step both hold)."""
-        by_step = {s: (o, c) for s, o, c in zip(self.steps, self.offsets, self.counts, strict=True)}
-        by_step.update(zip(other.steps, zip(other.offsets, other.counts, strict=True), strict=True))
+        by_step = {
+            s: (o, c, v)
+            for s, o, c, v in zip(self.steps, self.offsets, self.counts, self.scales(), strict=True)
+        }
+        by_step.update(
+            zip(
+                other.steps,
+                zip(other.offsets, other.counts, other.scales(), strict=True),
+                strict=True,
+            )
+        )
         steps = sorted(by_step)
         return LayerHistograms(
-            self.layer, steps, [by_step[s][0] for s in steps], [by_step[s][1] for s in steps]
+            self.layer,
+            steps,
+            [by_step[s][0] for s in steps],
+            [by_step[s][1] for s in steps],
+            [by_step[s][2] for s in steps],
         )
 
 

@@ -350,20 +350,3 @@ def exponent_histogram_figure(
         ],
     )
     return figure_of(data, layout, frames)
-
-
-def scales_at(
-    steps: Sequence[int], series_steps: Sequence[int], series_scales: Sequence[float | None]
-) -> list[float | None]:
-    """The loss scale at each of `steps`: the last point of the step series at or before it.
-
-    >>> scales_at([5, 20], [1, 10, 30], [8.0, 4.0, 2.0])
-    [8.0, 4.0]
-    """
-    out: list[float | None] = []
-    i = 0
-    for step in steps:
-        while i + 1 < len(series_steps) and series_steps[i + 1] <= step:
-            i += 1
-        out.append(series_scales[i] if series_steps and series_steps[i] <= step else None)
-    return out

@@ -115,6 +115,26 @@ def cmd_db(args: argparse.Namespace) -> int:
     return 0
 
 
+def cmd_age_layer_stats(args: argparse.Namespace) -> int:
+    from ampwatch.server.db import make_engine, make_sessionmaker
+    from ampwatch.server.layer_rollups import age_runs
+
+    settings = _settings(args)
+    keep = args.keep_steps if args.keep_steps is not None else settings.layer_raw_keep_steps
+    if keep is None:
+        print("set --keep-steps or AMPWATCH_LAYER_RAW_KEEP_STEPS", file=sys.stderr)
+        return 2
+    engine = make_engine(settings.database_url)
+    try:
+        aged = age_runs(make_sessionmaker(engine), keep)
+    finally:
+        engine.dispose()
+    for run_id, deleted in aged.items():
+        print(f"run {run_id}: {deleted} raw layer rows aged into rollups")
+    print(f"{len(aged)} run(s) aged, raw samples of the last {keep} steps kept")
+    return 0
+
+
 def cmd_fetch_plotly(args: argparse.Namespace) -> int:
     from ampwatch.dashboard import plotly_bundle
 
@@ -376,6 +396,16 @@ def build_parser() -> argparse.ArgumentParser:
     db.add_argument("revision", nargs="?", help="target revision (upgrade: head; downgrade: base)")
     db.add_argument("--database-url", help="SQLAlchemy URL (AMPWATCH_DATABASE_URL)")
     db.set_defaults(func=cmd_db)
+
+    age = sub.add_parser(
+        "age-layer-stats",
+        help="delete raw layer samples older than the last N steps of long runs (rollups kept)",
+    )
+    age.add_argument(
+        "--keep-steps", type=int, help="steps kept raw (AMPWATCH_LAYER_RAW_KEEP_STEPS)"
+    )
+    age.add_argument("--database-url", help="SQLAlchemy URL (AMPWATCH_DATABASE_URL)")
+    age.set_defaults(func=cmd_age_layer_stats)
 
     fetch = sub.add_parser(
         "fetch-plotly",

@@ -6,7 +6,8 @@ import numpy as np
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.models import Event, LayerHistogram
+from ampwatch.agent.wire import encode_float
+from ampwatch.server.models import Event, LayerHistogram, Step
 from ampwatch.server.schemas import CheckpointPublic, CheckpointsPublic, LayerHistograms
 
 
@@ -41,13 +42,33 @@ def layer_histograms(
         .order_by(LayerHistogram.step)
     ).all()
     rows = rows[:: -(-len(rows) // max_points)] if len(rows) > max_points else rows
+    scales = _loss_scales(session, run_id, rank, [step for step, _, _ in rows])
     return LayerHistograms.model_construct(
         layer=layer,
         rank=rank,
         steps=[step for step, _, _ in rows],
         offsets=[first_bin for _, first_bin, _ in rows],
         counts=[np.frombuffer(counts, dtype="<i8").tolist() for _, _, counts in rows],
+        loss_scale=[encode_float(scales.get(step)) for step, _, _ in rows],
     )
+
+
+def _loss_scales(session: Session, run_id: int, rank: int, steps: list[int]) -> dict[int, float]:
+    """The loss scale of each of `steps`, from the step records: the rank's own where it
+    sent them, else the lowest rank's (rank 0 sends the step scalars; ranks share one
+    scaler)."""
+    if not steps:
+        return {}
+    rows = session.execute(
+        select(Step.step, Step.rank, Step.loss_scale)
+        .where(Step.run_id == run_id, Step.step.in_(steps), Step.loss_scale.is_not(None))
+        .order_by(Step.step, Step.rank)
+    )
+    scales: dict[int, float] = {}
+    for step, step_rank, scale in rows:
+        if step not in scales or step_rank == rank:
+            scales[step] = scale
+    return scales
 
 
 def run_checkpoints(session: Session, run_id: int) -> CheckpointsPublic:

@@ -214,6 +214,9 @@ class Run(Base):
     #: the alert engine in the transaction that moves an alert: the runs list filters and
     #: sorts on it without touching `alerts`.
     health: Mapped[Health] = mapped_column(String(16), default="ok", server_default="ok")
+    #: Raw layer samples before this step were aged into the rollups
+    #: (`ampwatch.server.layer_rollups.age_layer_stats`); NULL when none were.
+    layer_stats_aged_before: Mapped[int | None] = mapped_column(BigInteger)
 
 
 class IngestedBatch(Base):
@@ -349,6 +352,29 @@ class LayerStat(Base):
     stat: Mapped[str] = mapped_column(String(64), primary_key=True)
     step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     values: Mapped[bytes] = mapped_column(LargeBinary)
+
+
+class LayerRollup(Base):
+    """Per-layer maxima and minima of one statistic over the `level` steps from
+    `bucket_start` (`ampwatch.server.layer_rollups`): packed like `layer_stats.values`.
+
+    Levels of 64, 256, ... 65,536 steps, so that a whole-run heatmap or layer series reads
+    a bounded number of rows at any run length (at 2M steps: ~2,000 rows, not 200,000).
+    """
+
+    __tablename__ = "layer_rollups"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    stat: Mapped[str] = mapped_column(String(64), primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    first_step: Mapped[int] = mapped_column(BigInteger)
+    last_step: Mapped[int] = mapped_column(BigInteger)
+    #: Raw samples the bucket holds.
+    samples: Mapped[int] = mapped_column(Integer)
+    maxima: Mapped[bytes] = mapped_column(LargeBinary)
+    minima: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class LayerHistogram(Base):

@@ -465,6 +465,9 @@ class LayerHistograms(BaseModel):
     steps: list[int]
     offsets: list[int]
     counts: list[list[int]]
+    #: The loss scale in effect at each histogram's step (the step record's, exact): the
+    #: gradients were measured scaled by it. Null where no step record was stored.
+    loss_scale: list[WireFloat | None] = []
 
 
 class CheckpointPublic(BaseModel):

@@ -158,6 +158,14 @@ class Settings(BaseSettings):
         "(JSON list or comma-separated). Empty (the default): webhooks reach public "
         "addresses only, so a tenant cannot make the collector call inside its network.",
     )
+    layer_raw_keep_steps: int | None = Field(
+        default=None,
+        ge=64,
+        description="Age raw layer samples into the layer rollups (`ampwatch age-layer-stats`) "
+        "for runs whose samples span more than this many steps, keeping the last this many "
+        "steps raw; older spans stay readable in 64-step buckets. None (the default): keep "
+        "every raw sample.",
+    )
     webhook_max_attempts: int = Field(
         default=8, ge=1, description="Deliveries tried per notification before it is failed."
     )

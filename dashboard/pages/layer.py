@@ -2,8 +2,8 @@
 steps, and its gradient-exponent histogram against the FP8/FP16/BF16 ranges, at a chosen
 step (the slider; `?step=` picks the first one shown) or animated over steps (play).
 
-The loss scale at each histogram's step comes from the run's step series over the same
-window (the last point at or before the step, exact to the collector's bucket width).
+The loss scale at each histogram's step comes with the histogram (the collector reads it
+from that step's record), exact at any zoom.
 """
 
 from __future__ import annotations
@@ -17,11 +17,7 @@ from dash import Input, Output, State, dcc, html
 from ampwatch.agent.wire import LAYER_STATS
 from ampwatch.dashboard import figures, ids
 from ampwatch.dashboard.client import CollectorClient, CollectorError, RunNotFound
-from ampwatch.dashboard.layer_figures import (
-    exponent_histogram_figure,
-    layer_series_figure,
-    scales_at,
-)
+from ampwatch.dashboard.layer_figures import exponent_histogram_figure, layer_series_figure
 from ampwatch.dashboard.urls import href, layer_path, run_path
 
 GRAPH_CONFIG = dcc.Graph.Config(displaylogo=False, responsive=True)
@@ -83,9 +79,6 @@ def layer_view(
         hists = client.layer_histograms(run_id, layer)
         if step is not None and step not in hists.steps:  # the first sampled from `step`
             hists = hists.merged(client.layer_histograms(run_id, layer, start=step, max_points=1))
-        scale_steps = (
-            client.steps(run_id, start=hists.steps[0], end=hists.steps[-1]) if hists.steps else None
-        )
     except RunNotFound:
         message = f"There is no layer {layer!r} in run {run_id} on this collector."
         blank = go.Figure()
@@ -98,11 +91,6 @@ def layer_view(
     except CollectorError as exc:
         blank = go.Figure()
         return html.P(str(exc), className="error"), blank, blank, []
-    scales = (
-        scales_at(hists.steps, scale_steps.step, scale_steps.loss_scale)
-        if scale_steps is not None
-        else []
-    )
     header = html.Div(
         [
             html.Div(
@@ -114,7 +102,7 @@ def layer_view(
     )
     return (
         header,
-        exponent_histogram_figure(hists, scales, active=index_from(hists.steps, step)),
+        exponent_histogram_figure(hists, hists.scales(), active=index_from(hists.steps, step)),
         layer_series_figure(series, max_abs),
         [{"label": name, "value": name} for name in names],
     )

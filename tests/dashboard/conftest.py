@@ -156,6 +156,7 @@ def layer_json() -> dict[str, Any]:
             "steps": [2, 4, 6],
             "offsets": [100, 99, 0],
             "counts": [[1, 2], [3, 1], [5]],
+            "loss_scale": [65536.0, "Infinity", None],
         },
     }
 

@@ -526,6 +526,8 @@ def test_layer_page_draws_series_and_histograms(collector_transport: MakeTranspo
         if r.url.path.endswith("/histograms") and "start" in r.url.params
     ]
     assert (exact["start"], exact["max_points"]) == ("3", "1")
+    # The loss scales come with the histograms: no second read of the step series.
+    assert not [r for r in transport.requests if r.url.path.endswith("/steps")]  # type: ignore[attr-defined]
 
     key["layer"] = "nosuch.weight"
     body["inputs"][0]["value"] = key

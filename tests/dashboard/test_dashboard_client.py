@@ -148,6 +148,7 @@ def test_layer_reads_quote_the_name_and_decode(collector_transport: MakeTranspor
     assert series.step == [2, 4, 6] and math.isnan(series.value[2])  # type: ignore[arg-type]
     hists = client.layer_histograms(RUN_ID, "head.weight")
     assert hists.offsets == [100, 99, 0] and hists.counts[0] == [1, 2]
+    assert hists.loss_scale == [65536.0, math.inf, None]
     assert client.layer_names(RUN_ID) == ["embed.weight", "blocks.0.mlp.fc1.weight", "head.weight"]
     names_request = transport.requests[-1]  # type: ignore[attr-defined]
     # A window past every step: the collector lists the columns and reads no row.

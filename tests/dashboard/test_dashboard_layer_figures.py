@@ -95,15 +95,6 @@ def test_empty_histograms_say_so() -> None:
     assert "No exponent histograms" in figure.layout.annotations[0].text
 
 
-def test_scales_at_takes_the_last_point_at_or_before_each_step() -> None:
-    assert layer_figures.scales_at([1, 5, 10, 11], [2, 5, 9], [8.0, 4.0, 2.0]) == [
-        None,
-        4.0,
-        2.0,
-        2.0,
-    ]
-
-
 def test_layer_series_has_the_shares_and_the_overflow_ceiling() -> None:
     def series(stat: str, value: list[float | None]) -> LayerSeries:
         return LayerSeries("w", stat, [10, 20], value)

@@ -231,6 +231,7 @@ def test_histograms_at_a_step_and_over_steps(client: httpx.Client) -> None:
     path = f"/api/v1/runs/{run_id}/layers/w/histograms"
     assert client.get(path, params={"step": 10}).json() == {
         "layer": "w", "rank": 0, "steps": [10], "offsets": [100], "counts": [[3, 0, 2**40]],
+        "loss_scale": [None],  # no step record was sent
     }  # fmt: skip
     both = client.get(path).json()
     assert both["steps"] == [10, 20] and both["offsets"] == [100, 90]
@@ -238,6 +239,22 @@ def test_histograms_at_a_step_and_over_steps(client: httpx.Client) -> None:
     assert client.get(f"/api/v1/runs/{run_id}/layers/b/histograms").json()["counts"] == [
         [7], [2],
     ]  # fmt: skip
+
+
+def test_histograms_carry_the_loss_scale_of_their_step(client: httpx.Client) -> None:
+    """Exact at each sampled step (the steps between them halved the scale), from the
+    rank's own step record where it sent one, else rank 0's."""
+    steps = [step_record(s, loss_scale=2.0 ** (20 - s)) for s in range(1, 21)]
+    steps.append(step_record(20, rank=1, loss_scale=math.inf))
+    records = [
+        {"step": s, "rank": rank, "names": ["w"], "stats": {"zero_fraction": [0.0]},
+         "exponent_histograms": {"offsets": [100], "counts": [[1]]}}
+        for s in (5, 20, 30) for rank in (0, 1)
+    ]  # fmt: skip
+    run_id = post(client, make_batch(0, steps=steps, layer_stats=records)).json()["run_id"]
+    path = f"/api/v1/runs/{run_id}/layers/w/histograms"
+    assert client.get(path).json()["loss_scale"] == [32768.0, 1.0, None]
+    assert client.get(path, params={"rank": 1}).json()["loss_scale"] == [32768.0, "Infinity", None]
 
 
 @pytest.mark.parametrize(
