@@ -16,7 +16,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth, errors, metrics, migrate, notify
+from ampwatch.server import auth, errors, heap, metrics, migrate, notify
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
@@ -47,7 +47,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with sessions() as session:
             auth.check_exposure(session, settings)
         worker = notify.DeliveryWorker(sessions, settings).start()
-        yield
+        with heap.startup_heap_frozen():
+            yield
         worker.stop()
         engine.dispose()
 

@@ -67,12 +67,13 @@ class Settings(BaseSettings):
     )
     dashboard: bool = Field(default=True, description="Mount the Dash app at /dashboard/.")
     worker_threads: int = Field(
-        default=8,
+        default=4,
         ge=1,
         le=256,
         description="Threads per collector process that run API requests (anyio's default "
         "is 40). More threads only queue for the GIL: with 40 busy ones the event loop waited "
-        "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients.",
+        "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients; "
+        "4 instead of 8 took bench/load.py's /healthz p99 from 57-82 to 37-56 ms.",
     )
     request_head_timeout: float = Field(
         default=10.0,

@@ -114,3 +114,17 @@ def test_two_tenants_racing_one_client_run_id_get_a_run_each(
             assert len(ids) == 2
         listed = httpx.get(f"{live.url}/api/v1/runs", headers=admin).json()
         assert listed["total"] == 2 * rounds
+
+
+def test_the_startup_heap_is_frozen_while_serving_and_released_after(
+    sqlite_url: str, start_collector: Callable[..., AbstractContextManager[Any]]
+) -> None:
+    """Full collections must not walk the start-up heap while serving (`server/heap.py`);
+    the process gets it back when the collector stops."""
+    import gc
+
+    assert gc.get_freeze_count() == 0
+    with start_collector(sqlite_url, dashboard=False) as live:
+        assert httpx.get(f"{live.url}/healthz").status_code == 200
+        assert gc.get_freeze_count() > 10_000
+    assert gc.get_freeze_count() == 0

@@ -80,7 +80,8 @@ def test_deeply_nested_bodies_are_422(client: httpx.Client, run_id: int) -> None
         body = json.dumps(make_batch(1, events=[event])) if depth < 900 else (
             '{"wire_version": 1, "x": ' + "[" * depth + "]" * depth + "}")  # fmt: skip
         _assert_clear_4xx(client.post(INGEST_PATH, content=body), 422)
-        nested = '{"rules": ' + '{"a": ' * depth + "1" + "}" * depth + "}"
+        value = '{"a": ' * depth + "1" + "}" * depth
+        nested = '{"rules": ' + value + "}"
         for path in (
             f"/api/v1/runs/{run_id}/alert-config",
             "/api/v1/projects/default/alert-config",
@@ -88,6 +89,12 @@ def test_deeply_nested_bodies_are_422(client: httpx.Client, run_id: int) -> None
             _assert_clear_4xx(
                 client.put(path, content=nested, headers={"Content-Type": "application/json"}), 422
             )
+        for method, path, template in _write_routes(run_id):  # every field of every route
+            body = template.replace("{x}", value)
+            answer = client.request(
+                method, path, content=body, headers={"Content-Type": "application/json"}
+            )
+            _assert_clear_4xx(answer, 422)
     # Nothing stored broke the reads that render events and alerts.
     for path in (f"/api/v1/runs/{run_id}/events", "/api/v1/alerts", f"/api/v1/runs/{run_id}"):
         assert client.get(path).status_code == 200

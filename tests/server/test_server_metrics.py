@@ -117,18 +117,25 @@ def test_readyz_is_503_below_the_migration_head(client: httpx.Client, collector:
 
 
 @pytest.mark.postgres
-def test_readyz_is_503_when_the_database_is_unreachable() -> None:
+def test_readyz_and_the_api_are_503_when_the_database_is_unreachable() -> None:
+    admin = "admin-token-for-an-unreachable-database"
     settings = Settings(
         database_url="postgresql+psycopg://postgres@127.0.0.1:1/none?connect_timeout=2",
         dashboard=False,
+        admin_token=admin,
     )
     transport = httpx.ASGITransport(app=create_app(settings))  # no lifespan: no startup check
 
-    async def probe() -> tuple[httpx.Response, httpx.Response]:
-        async with httpx.AsyncClient(transport=transport, base_url="http://collector") as http:
-            return await http.get("/readyz"), await http.get("/healthz")
+    async def probe() -> tuple[httpx.Response, httpx.Response, httpx.Response]:
+        # A loopback Host: a collector on loopback refuses other names (`origin.py`).
+        async with httpx.AsyncClient(transport=transport, base_url="http://127.0.0.1") as http:
+            api = await http.get("/api/v1/runs", headers={"Authorization": f"Bearer {admin}"})
+            return await http.get("/readyz"), await http.get("/healthz"), api
 
-    ready, alive = asyncio.run(probe())
+    ready, alive, api = asyncio.run(probe())
     assert ready.status_code == 503
     assert "database unreachable" in ready.json()["detail"]
     assert alive.status_code == 200
+    # The probe saw 500s where the database was busy: an API call is a 503 agents retry.
+    assert (api.status_code, api.headers.get("Retry-After")) == (503, "1"), api.text
+    assert "retry" in api.json()["detail"]
