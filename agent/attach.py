@@ -16,7 +16,7 @@ import uuid
 import weakref
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import nn
@@ -51,6 +51,9 @@ from ampwatch.agent.unwrap import (
     unwrap_optimizer,
     wrapped_scaler,
 )
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 logger = logging.getLogger("ampwatch.agent")
 
@@ -141,7 +144,7 @@ class WatchHandle:
         if self._sender is not None:
             self._sender.close(timeout)
 
-    def __enter__(self) -> WatchHandle:
+    def __enter__(self) -> Self:
         return self
 
     def __exit__(
@@ -267,7 +270,7 @@ class _AttachedHandle(WatchHandle):
                 self._loss.add(value.float().mean() if value.dim() else value)
             else:
                 self._loss.add(torch.tensor(float(loss)))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _take_loss(self) -> torch.Tensor | None:
@@ -304,7 +307,7 @@ class _AttachedHandle(WatchHandle):
             self._step = number
             if self._send_steps:
                 self._send(sample)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _release(self) -> None:
@@ -380,7 +383,7 @@ class _AttachedHandle(WatchHandle):
             values, ready = _to_host(gradient_range(tensors, scale, direct=direct))
             numels = [t.numel() for t in tensors]
             return LayerSample(step, self._rank, names, numels, values, ready, direct, activations)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
             return None
 
@@ -396,7 +399,7 @@ class _AttachedHandle(WatchHandle):
                 return
             scale = None if self._scaler is None else self._scaler._get_scale_async()
             self._early_layers = self._layer_sample(step, grads, scale)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _take_layers(
@@ -420,7 +423,7 @@ class _AttachedHandle(WatchHandle):
                 self._clips.append((total, after, covered))
             else:
                 self._clips = None  # another norm: measure the L2 norm ourselves
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _norms(self, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -515,7 +518,7 @@ class _AttachedHandle(WatchHandle):
             result = closure()
             try:
                 self._closure_loss = result if isinstance(result, torch.Tensor) else None
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
                 self._on_error(exc)
             self._measure_pre_step()
             return result
@@ -531,7 +534,7 @@ class _AttachedHandle(WatchHandle):
             norms = self._norms(grads[1]) if self._send_steps else {}
             self._applied = bool(grads[1])
             self._pending = (norms, self._take_layers(self._step + 1, grads, None))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _optimizer_post_step(self, optimizer: Any, args: Any, kwargs: Any) -> None:
@@ -549,7 +552,7 @@ class _AttachedHandle(WatchHandle):
                 # gradient (a skipped backward): the optimizer then changes nothing.
                 sample.host["found_inf"] = 0.0 if self._applied else 1.0
             self._emit((sample, layers))
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
 

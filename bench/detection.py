@@ -109,8 +109,7 @@ def report(o: Outcome) -> list[str]:
             f"margin {o.advisor.get('margin_steps')})")  # fmt: skip
         lines.append(f"  advisor  picked {o.advisor_pick()}  labeled "
                      f"{label.healthy_checkpoint}{onset}")  # fmt: skip
-    for problem in o.problems:
-        lines.append(f"  MISS  {problem}")
+    lines.extend(f"  MISS  {problem}" for problem in o.problems)
     return lines
 
 
@@ -172,8 +171,7 @@ def report_real(v: real_logs.Verdict) -> list[str]:
             f"  advisor  picked {picked} of {[c for c, _ in v.excerpt.checkpoints]}; "
             f"onset {v.advisor.get('onset_step')} ({v.advisor.get('onset_rule')})"
         )
-    for problem in v.problems():
-        lines.append(f"  NOTE  {problem}")
+    lines.extend(f"  NOTE  {problem}" for problem in v.problems())
     return lines
 
 

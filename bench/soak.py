@@ -205,7 +205,7 @@ def training_under_kills(collector: CollectorProcess, database_url: str, kills: 
                    flush_interval=0.1, layer_stats_every=LAYER_EVERY)  # fmt: skip
     ratios = []
     total = 0
-    for kill in range(kills):
+    for _kill in range(kills):
         for _ in range(steps_between):
             ratios.append(step(*watched) / step(*bare))
             total += 1

@@ -355,25 +355,23 @@ def loss_scale_figure(
                     "font": {"size": 11 if verdict == RECOMMENDED else 10, "color": color},
                 }
             )
-    for alert in alerts:
-        if alert.layer is None and alert.fired_step is not None:
-            shapes.append(
-                {
-                    "type": "rect",
-                    "xref": "x",
-                    "yref": "paper",
-                    "y0": 0,
-                    "y1": 1,
-                    "x0": alert.fired_step,
-                    "x1": alert.resolved_step
-                    if alert.resolved_step is not None
-                    else series.step[-1],
-                    "fillcolor": SEVERITY_COLORS.get(alert.severity, SKIPPED_COLOR),
-                    "opacity": 0.08,
-                    "line": {"width": 0},
-                    "layer": "below",
-                }
-            )
+    shapes.extend(
+        {
+            "type": "rect",
+            "xref": "x",
+            "yref": "paper",
+            "y0": 0,
+            "y1": 1,
+            "x0": alert.fired_step,
+            "x1": alert.resolved_step if alert.resolved_step is not None else series.step[-1],
+            "fillcolor": SEVERITY_COLORS.get(alert.severity, SKIPPED_COLOR),
+            "opacity": 0.08,
+            "line": {"width": 0},
+            "layer": "below",
+        }
+        for alert in alerts
+        if alert.layer is None and alert.fired_step is not None
+    )
     if not shown.size:
         # An empty log axis would read as "no data yet"; say what it really means.
         annotations.append(_message(NO_SCALER_MESSAGE, xref="x domain", yref="y domain", size=13))

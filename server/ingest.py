@@ -192,7 +192,7 @@ def _name_indices(
         indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
-        indices = {name: idx for name, idx in rows}
+        indices = dict(rows)
         with _NAMES_LOCK:
             _remember(cache, key, indices)
     else:

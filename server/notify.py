@@ -386,7 +386,7 @@ class DeliveryWorker:
         sessions: sessionmaker[Session],
         settings: Settings,
         *,
-        sweep: Callable[[Session, datetime], Any] | None | Literal["auto"] = "auto",
+        sweep: Callable[[Session, datetime], Any] | Literal["auto"] | None = "auto",
         rng: Callable[[], float] = random.random,
     ) -> None:
         self._sessions = sessions

@@ -100,7 +100,7 @@ def _wire_float_array(value: Any) -> npt.NDArray[np.float64]:
     """
     if not isinstance(value, list):
         # ValueError, not TypeError: pydantic turns only ValueError into a 422 detail.
-        raise ValueError("must be an array of numbers")  # noqa: TRY004
+        raise ValueError("must be an array of numbers")
     kinds = set(map(type, value))
     try:
         if kinds <= _NUMBER_TYPES:

@@ -349,7 +349,7 @@ def update_run_data(
     return patch, {**cursor, **moved}
 
 
-def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | None | bool:
+def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | bool | None:
     """The x window a relayout event asks for: (start, end) steps, None for "zoom out"
     (autorange), False when the event is not about the x axis (resize, y zoom).
 

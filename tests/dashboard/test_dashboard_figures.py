@@ -228,7 +228,7 @@ def test_figures_serialise_without_bare_nan(
 def test_log2_ticks_thin_out_over_a_wide_range() -> None:
     values, labels = figures.log2_ticks(2.0**-10, 2.0**32)
     assert len(values) <= figures.MAX_LOG2_TICKS
-    assert 2.0**-10 <= values[0] and values[-1] <= 2.0**32
+    assert values[0] >= 2.0**-10 and values[-1] <= 2.0**32
     assert 1.0 in values
     assert labels[values.index(1.0)] == "2<sup>0</sup>"
 

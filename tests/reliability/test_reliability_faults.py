@@ -208,12 +208,12 @@ def _assert_every_stored_batch_whole(
     for run, step in rows.rows(select(Run.client_run_id, Step.step).join(Run)):
         actual_steps.setdefault(run, set()).add(step)
     assert actual_steps == expected_steps
-    actual_layers: dict[str, int] = {}
-    for run, count in rows.rows(
-        select(Run.client_run_id, func.count()).select_from(LayerStat).join(Run)
-        .group_by(Run.client_run_id)
-    ):  # fmt: skip
-        actual_layers[run] = count
+    actual_layers: dict[str, int] = dict(
+        rows.rows(
+            select(Run.client_run_id, func.count()).select_from(LayerStat).join(Run)
+            .group_by(Run.client_run_id)
+        )
+    )  # fmt: skip
     expected_layers = {
         run: sum(1 for s in steps if (s - 1) % LAYER_STATS_EVERY == 0) * len(LAYER_STATS)
         for run, steps in expected_steps.items()

@@ -78,7 +78,7 @@ def run_agents(url: str, agents: int, seconds: float, tag: str) -> tuple[LoadRes
                         break
                     with result.lock:
                         result.retries += 1
-                    if status and status != 429 and status < 500 or time.monotonic() > give_up:
+                    if (status and status != 429 and status < 500) or time.monotonic() > give_up:
                         with result.lock:
                             text = answer.text[:200] if answer is not None else last
                             result.errors.append(f"{run} seq {seq}: {status} {text}")

@@ -149,11 +149,12 @@ def judge(o: Outcome) -> list[str]:
         details = [_describe(a) for a in o.fired if a["rule"] in forbidden]
         problems.append(f"forbidden alerts fired: {details}")
     allowed = label.must_fire | label.may_fire
-    for a in o.fired:
-        if a["severity"] in label.must_not_fire_severity and a["rule"] not in allowed | (
-            label.must_not_fire & fired  # already reported above
-        ):
-            problems.append(f"unexpected {a['severity']} alert: {_describe(a)}")
+    reported = label.must_not_fire & fired  # already reported above
+    problems.extend(
+        f"unexpected {a['severity']} alert: {_describe(a)}"
+        for a in o.fired
+        if a["severity"] in label.must_not_fire_severity and a["rule"] not in allowed | reported
+    )
     if label.collapse_before_floor:
         step = o.collapse_alert_step()
         if label.collapse_step is None:
