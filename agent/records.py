@@ -78,7 +78,8 @@ def step_record(sample: StepSample) -> wire.StepRecord:
         record["grad_norm_clipped"] = wire.encode_float(clipped)
     if sample.lr_groups > 1:
         groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
-        record["lr_groups"] = [wire.encode_float(v) for v in groups]
+        # Every group's field is filled (attach samples lr_groups only when each lr is a number).
+        record["lr_groups"] = [wire.encode_float(v) for v in groups]  # type: ignore[misc]
     return record
 
 

@@ -37,7 +37,7 @@ from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from ampwatch.agent import wire
 from ampwatch.agent.fp8 import Fp8Sample
@@ -351,7 +351,7 @@ class Sender:
             if isinstance(item, StepSample):
                 self._buffer.steps.append(step_record(item))
             else:
-                self._buffer.events.append(cast(wire.EventRecord, item))
+                self._buffer.events.append(item)
         for sample in layers:
             records = sample.records() if isinstance(sample, Fp8Sample) else [layer_record(sample)]
             self._buffer.layer_stats.extend(records)
@@ -360,9 +360,9 @@ class Sender:
                 self._count({"layer_stats": 1}, reported=False)
         while len(self._buffer) > self._max_buffered:
             for kind in _DROP_ORDER:
-                records: deque[Any] = getattr(self._buffer, kind)
-                if records:
-                    records.popleft()
+                queue: deque[Any] = getattr(self._buffer, kind)
+                if queue:
+                    queue.popleft()
                     self._count({kind: 1}, reported=False)
                     break
 

@@ -51,6 +51,7 @@ RestartCandidates(run_id=7, onset_step=115, onset_rule='activation_norm_spike', 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
 from statistics import median
@@ -324,7 +325,7 @@ def _judge(
 
 
 def _judge_scale(
-    verdict: _Judgement, rows: list[Any], scale: float | None, config: AdvisorConfig
+    verdict: _Judgement, rows: Sequence[Any], scale: float | None, config: AdvisorConfig
 ) -> None:
     if scale is None:
         verdict.notes.insert(0, "no loss scale reported (no scaler)")
@@ -459,7 +460,7 @@ def restart_candidates(
                 step=checkpoint.step,
                 path=checkpoint.path,
                 time=checkpoint.time,
-                verdict=verdict,  # type: ignore[arg-type]
+                verdict=verdict,
                 reasons=[*reasons, *caveats],
                 loss_scale=encode_float(judgement.loss_scale),
                 act_norm=encode_float(judgement.act_norm),

@@ -25,7 +25,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, Table, insert, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import (
@@ -313,6 +313,7 @@ def _upsert(
     if not rows:
         return
     table = model.__table__
+    assert isinstance(table, Table)  # a mapped class, not a select
     connection = session.connection()
     dialect = connection.dialect
     quote = dialect.identifier_preparer.quote  # `values` is a reserved word

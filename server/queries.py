@@ -122,6 +122,7 @@ def _run_public(
     last_step: Any,
     skipped: Any,
     scale: Any,
+    *,
     skip_rate: float | None = None,
 ) -> RunPublic:
     return RunPublic(

@@ -116,7 +116,7 @@ def _wire_float_array(value: Any) -> npt.NDArray[np.float64]:
                 f"{sorted(unknown)[:3]} not numbers; non-finite floats are written as one of "
                 f"{sorted(NON_FINITE)}"
             )
-        return np.array([NON_FINITE.get(v, v) for v in value], dtype=np.float64)  # type: ignore[call-overload]
+        return np.array([NON_FINITE.get(v, v) for v in value], dtype=np.float64)
     except OverflowError:
         raise ValueError("an integer is too large for a float64") from None
 

@@ -34,7 +34,13 @@ import numpy.typing as npt
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import ACTIVATION_STATS, STEP_FLOAT_FIELDS, WireFloat, encode_float
+from ampwatch.agent.wire import (
+    ACTIVATION_STATS,
+    STEP_FLOAT_FIELDS,
+    WireFloat,
+    encode_float,
+    encode_floats,
+)
 from ampwatch.server.models import Layer, Module, Step, StepRollup
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import ROLLUP_COLUMNS, ROLLUP_WIDTH, step_aggregates
@@ -138,7 +144,7 @@ def step_series(
         groups = session.execute(
             select(Step.step, Step.lr_groups).where(*in_range, Step.lr_groups.is_not(None))
         )
-        lr_groups = {step: _wire_list(blob) for step, blob in groups}
+        lr_groups = {step: _wire_list(blob) for step, blob in groups if blob is not None}
         return _columns(list(_buckets_from(rows).values()), 1, lr_groups)
 
     width = bucket_width_for(low, high, max_points // 2, align=ROLLUP_WIDTH)
@@ -198,7 +204,7 @@ def _buckets_from(rows: Any) -> dict[int, _Bucket]:
 
 def _wire_list(blob: bytes) -> list[WireFloat]:
     """A packed little-endian float64 array (`steps.lr_groups`) in the wire encoding."""
-    return [_wire(v) for v in np.frombuffer(blob, dtype="<f8").tolist()]
+    return encode_floats(np.frombuffer(blob, dtype="<f8").tolist())
 
 
 def _columns(
@@ -228,10 +234,11 @@ def _columns(
             skipped_count.append(count)
             for i, name in enumerate(STEP_FLOAT_FIELDS):
                 floats[name].append(_wire(bucket.extremes[2 * i + extreme]))
-    return StepSeries.model_construct(
-        step=steps, skipped=skipped, skipped_count=skipped_count, bucket_width=width,
-        lr_groups=[lr_groups.get(step) for step in steps], **floats,
-    )  # fmt: skip
+    columns: dict[str, Any] = {
+        "step": steps, "skipped": skipped, "skipped_count": skipped_count, "bucket_width": width,
+        "lr_groups": [lr_groups.get(step) for step in steps], **floats,
+    }  # fmt: skip
+    return StepSeries.model_construct(**columns)
 
 
 def _names_table(stat: str) -> type[Layer | Module]:

@@ -49,7 +49,7 @@ from ampwatch.agent import WatchHandle, watch
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package has the same API
-    from pytorch_lightning import (  # type: ignore[assignment]
+    from pytorch_lightning import (
         Callback,
         LightningModule,
         Trainer,

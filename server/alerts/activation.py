@@ -15,6 +15,7 @@ from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.state import StepState
+from ampwatch.server.models import Severity
 from ampwatch.server.schemas import StepIn
 
 
@@ -94,7 +95,7 @@ def activation_spike(
     d.last_spike = s
     d.last_spike_value = value
     z = (value - median) / mad if mad > 0 else None
-    severity = "critical" if falling else "warning"
+    severity: Severity = "critical" if falling else "warning"
     scale, last_fall = d.scale, d.last_fall
 
     def detail() -> tuple[str, dict[str, Any]]:

@@ -90,7 +90,7 @@ def _judge(
         if tracker.still_firing(RULE, name):
             continue
         roles = {role: float(v[j]) for role, v in by_role.items() if not np.isnan(v[j])}
-        detail = _detail(name, step, recipe, rule, roles, data, j)
+        detail = _detail(name, step, recipe, rule, roles, data, int(j))
         tracker.holds(RULE, step, detail, layer=name, ready=bool(hits[j] >= rule.for_samples))
     tracker.clear_layers(RULE, step, names, valid & ~risky)
 

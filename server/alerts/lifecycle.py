@@ -39,7 +39,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server import notify
 from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER, RuleSettings
-from ampwatch.server.models import Alert, Run
+from ampwatch.server.models import Alert, Run, Severity
 
 #: A deferred (message, values) for an alert: built only when it is written.
 Detail = Callable[[], tuple[str, dict[str, Any]]]
@@ -151,7 +151,7 @@ class Tracker:
         *,
         layer: str = "",
         onset: int | None = None,
-        severity: str | None = None,
+        severity: Severity | None = None,
         ready: bool = True,
     ) -> None:
         """The condition of (`rule`, `layer`) holds at `step`; its onset was `onset`.

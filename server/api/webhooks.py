@@ -8,7 +8,7 @@ except `/test`, which posts at once so the caller learns whether the URL works.
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy import select
@@ -34,7 +34,9 @@ router = APIRouter(
     route_class=SessionRoute, prefix="/webhooks", tags=["webhooks"], responses=NOT_YOURS
 )
 
-WEBHOOK_ERRORS = {404: {"model": ErrorPublic, "description": "No such webhook"}}
+WEBHOOK_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorPublic, "description": "No such webhook"}
+}
 DEFAULT_DELIVERIES = 100
 MAX_DELIVERIES = 1000
 
