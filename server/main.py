@@ -16,7 +16,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth, errors, metrics, migrate, notify
+from ampwatch.server import auth, errors, metrics, migrate, webhook_delivery
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         with sessions() as session:
             auth.check_exposure(session, settings)
-        worker = notify.DeliveryWorker(sessions, settings).start()
+        worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
         yield
         worker.stop()
         engine.dispose()

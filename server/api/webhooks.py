@@ -2,7 +2,7 @@
 
 A project token creates, sees and removes only its project's webhooks; an admin sees all,
 and may create one without a project, which receives every project's alerts. Deliveries
-are made by the notification worker (`ampwatch.server.notify`), never by these routes,
+are made by the notification worker (`ampwatch.server.webhook_delivery`), never by these routes,
 except `/test`, which posts at once so the caller learns whether the URL works.
 """
 
@@ -14,7 +14,7 @@ from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import notify
+from ampwatch.server import webhook_delivery
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import AuthError, Principal, ensure_project
 from ampwatch.server.db import begin_write
@@ -160,7 +160,7 @@ def post_test_message(
     hook = _visible_webhook(session, principal, webhook_id)
     session.expunge(hook)
     session.rollback()  # no transaction held open across the POST
-    outcome = notify.send_test(hook, settings)
+    outcome = webhook_delivery.send_test(hook, settings)
     return WebhookTestResult(
         delivered=outcome.delivered, response_status=outcome.status, error=outcome.error
     )
