@@ -87,9 +87,6 @@ def report(o: Outcome) -> list[str]:
     lines = [f"{head}  truth: {truth}"]
     if o.signal_problems:
         lines.append(f"  SIGNALS NOT AS LABELED: {'; '.join(o.signal_problems)}")
-    if o.alerts is None:
-        lines.append("  alerts: endpoint missing")
-        return lines
     fired = o.fired_rules
     lines.append(f"  fired    {_fired(o)}")
     missing = label.must_fire - fired

@@ -192,7 +192,8 @@ def _name_indices(
         indices = cache.get(key)
     if indices is None or any(name not in indices for record in names for name in record):
         rows = session.execute(select(model.name, model.idx).where(model.run_id == run.id))
-        indices = dict(rows)
+        # A Result has keys() (its columns): dict(rows) would read it as a mapping.
+        indices = {name: idx for name, idx in rows}  # noqa: C416
         with _NAMES_LOCK:
             _remember(cache, key, indices)
     else:
