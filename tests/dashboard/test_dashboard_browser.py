@@ -244,7 +244,7 @@ def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str, 
         [ids.HEATMAP_GRAPH, LAYERS.index(FROZEN)],
     )
     assert frozen == [1.0, 1.0, 1.0]  # the layer that stopped learning, drawn red
-    # Columns on evenly spaced bucket starts (`figures.bucket_grid`), so plotly.js paints a
+    # Columns on evenly spaced bucket starts (`heatmap_figures.bucket_grid`), so plotly.js paints a
     # pixel per cell rather than filling each on a full-size canvas.
     assert (
         page.evaluate(
