@@ -31,7 +31,7 @@ from ampwatch.agent.wire import LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas.wire import BatchIn
 
 LAYER_EVERY = 10
 STEPS_PER_BATCH = 2000

@@ -66,13 +66,13 @@ from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.history import run_checkpoints
 from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
-from ampwatch.server.schemas import (
-    CheckpointPublic,
+from ampwatch.server.schemas.advisor import (
     DataSkip,
     RestartCandidate,
     RestartCandidates,
     RestartCheckpoint,
 )
+from ampwatch.server.schemas.runs import CheckpointPublic
 
 #: Rules whose alerts announce or make up a divergence: chained into the incident that
 #: reached critical. Others (no_data, configuration findings, per-layer underflow

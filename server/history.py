@@ -7,7 +7,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.models import Event, LayerHistogram
-from ampwatch.server.schemas import CheckpointPublic, CheckpointsPublic, LayerHistograms
+from ampwatch.server.schemas.runs import CheckpointPublic, CheckpointsPublic, LayerHistograms
 
 
 def layer_histograms(

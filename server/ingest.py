@@ -55,7 +55,8 @@ from ampwatch.server.models import (
 )
 from ampwatch.server.packed import pack_row
 from ampwatch.server.rollups import refresh_step_rollups
-from ampwatch.server.schemas import BatchIn, EventIn, IngestAck, LayerStatsIn, StepIn
+from ampwatch.server.schemas.runs import IngestAck
+from ampwatch.server.schemas.wire import BatchIn, EventIn, LayerStatsIn, StepIn
 
 
 def ingest_batch(session: Session, batch: BatchIn, *, now: datetime | None = None) -> IngestAck:

@@ -44,8 +44,8 @@ from ampwatch.agent.wire import (
 from ampwatch.server.models import Layer, Module, Step, StepRollup
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import ROLLUP_COLUMNS, ROLLUP_WIDTH, step_aggregates
-from ampwatch.server.schemas import MAX_BIGINT as MAX_STEP
-from ampwatch.server.schemas import LayerMatrix, LayerSeries, StepSeries
+from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
+from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
 
 
 @dataclass

@@ -16,7 +16,7 @@ from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.models import Severity
-from ampwatch.server.schemas import StepIn
+from ampwatch.server.schemas.wire import StepIn
 
 
 def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:

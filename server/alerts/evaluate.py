@@ -49,7 +49,7 @@ from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.fp8_readiness import recipe_of
 from ampwatch.server.models import AlertState, Run
-from ampwatch.server.schemas import BatchIn, StepIn
+from ampwatch.server.schemas.wire import BatchIn, StepIn
 
 logger = logging.getLogger(__name__)
 

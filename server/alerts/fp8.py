@@ -19,7 +19,7 @@ from ampwatch.agent import wire
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.fp8_readiness import recipe_scores
-from ampwatch.server.schemas import LayerStatsIn
+from ampwatch.server.schemas.wire import LayerStatsIn
 
 if TYPE_CHECKING:
     from ampwatch.server.alerts.layers import LayerState

@@ -42,8 +42,7 @@ from ampwatch.server.models import (
     Severity,
     utcnow,
 )
-from ampwatch.server.schemas import (
-    MAX_INT,
+from ampwatch.server.schemas.alerts import (
     AlertConfigIn,
     AlertConfigPublic,
     AlertPublic,
@@ -51,6 +50,7 @@ from ampwatch.server.schemas import (
     AlertRulesPublic,
     AlertsPublic,
 )
+from ampwatch.server.schemas.wire import MAX_INT
 
 router = APIRouter(route_class=SessionRoute, tags=["alerts"])
 

@@ -19,16 +19,16 @@ from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, Sessio
 from ampwatch.server.auth import AuthError, Principal, ensure_project
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import Alert, Notification, Webhook, utcnow
-from ampwatch.server.schemas import (
-    MAX_INT,
+from ampwatch.server.schemas.errors import ErrorPublic
+from ampwatch.server.schemas.webhooks import (
     DeliveriesPublic,
     DeliveryPublic,
-    ErrorPublic,
     WebhookCreate,
     WebhookPublic,
     WebhooksPublic,
     WebhookTestResult,
 )
+from ampwatch.server.schemas.wire import MAX_INT
 
 router = APIRouter(
     route_class=SessionRoute, prefix="/webhooks", tags=["webhooks"], responses=NOT_YOURS
