@@ -38,6 +38,7 @@ from ampwatch.dashboard.figure_common import (
     plot_values,
     two_rows,
 )
+from ampwatch.server.baselines import robust_baseline
 
 #: Verdicts of the restart advisor, as drawn on the loss-scale chart.
 RECOMMENDED = "recommended"
@@ -363,8 +364,8 @@ def baseline_band(
         return low, high
     padded = np.concatenate([np.full(window - 1, np.nan), kept])
     windows = np.lib.stride_tricks.sliding_window_view(padded, window)  # windows[j]: ..kept[j]
-    medians = np.nanmedian(windows, axis=1)
-    spreads = BAND_MADS * 1.4826 * np.nanmedian(np.abs(windows - medians[:, None]), axis=1)
+    medians, sigmas = robust_baseline(windows, axis=1, skip_nan=True)
+    spreads = BAND_MADS * sigmas
     # The band never reaches below the window's smallest value: a wide spread would
     # otherwise put its floor at 0, which a log axis cannot draw (the fill would flood).
     floors = np.nanmin(windows, axis=1)

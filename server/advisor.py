@@ -14,8 +14,8 @@ A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
    incident's onset; every candidate carries a caveat instead ("fix that before
    restarting");
 3. the final-layer activation norm (mean over tokens) was within the run's own robust
-   baseline before it: <= median + k * 1.4826 * MAD of the step-rollup extremes of the
-   `baseline_buckets` rollups (64 steps each) that end before it;
+   baseline before it: <= median + k * 1.4826 * MAD (`ampwatch.server.baselines`) of the
+   step-rollup extremes of the `baseline_buckets` rollups (64 steps each) that end before it;
 4. it precedes the incident onset by at least `margin_steps`;
 5. it was saved before the run's first non-finite loss, whatever the alerts say (a NaN run
    can end "succeeded" and leave a poisoned checkpoint; the first non-finite loss is found
@@ -54,7 +54,6 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from statistics import median
 from typing import Any
 
 from sqlalchemy import func, select
@@ -63,6 +62,7 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import encode_float
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
+from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
 from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
@@ -98,8 +98,6 @@ CONFIGURATION_CAVEATS = {
     "clip_before_unscale": "the run clips gradients before scaler.unscale_ (the threshold "
     "is off by the loss scale): fix that before restarting",
 }
-#: MAD of normally distributed values times this is their standard deviation.
-MAD_TO_SIGMA = 1.4826
 #: Fewer baseline values than this: the activation norm is not judged.
 MIN_BASELINE_VALUES = 8
 
@@ -108,7 +106,7 @@ MIN_BASELINE_VALUES = 8
 class AdvisorConfig:
     """The advisor's thresholds (module docstring); every one can be overridden."""
 
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = HEALTHY_LOSS_SCALE
     fall_window: int = 20
     baseline_buckets: int = 16
     baseline_k: float = 4.0
@@ -368,9 +366,8 @@ def _judge_act_norm(
     if len(values) < MIN_BASELINE_VALUES:
         verdict.notes.append(f"act norm {_fmt3(norm)} (too little history for a baseline)")
         return
-    center = median(values)
-    mad = median(abs(v - center) for v in values)
-    band = config.baseline_k * max(MAD_TO_SIGMA * mad, config.baseline_rel_floor * abs(center))
+    center, sigma = robust_baseline(values)
+    band = config.baseline_k * max(sigma, config.baseline_rel_floor * abs(center))
     if norm > center + band:
         verdict.failures.append(
             f"act norm {_fmt3(norm)} above baseline {_fmt3(center)}±{band:.2g} "

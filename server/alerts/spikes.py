@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from ampwatch.server.alerts import rules
+from ampwatch.server.baselines import robust_baseline
 
 Detail = Callable[[], tuple[str, dict[str, Any]]]
 
@@ -134,8 +135,9 @@ def judge_spike(
     if len(baseline) < min_samples:
         return None, None
     window = np.asarray(baseline, dtype=np.float64)
-    median = float(np.median(window))
-    mad = 1.4826 * float(np.median(np.abs(window - median))) if len(window) > 1 else 0.0
+    median, mad = robust_baseline(window)
+    if len(window) <= 1:
+        mad = 0.0
     spike = Spike(value, median, mad, len(window))
     spiking = value >= min_ratio * median and value - median >= min_increase
     if spiking and len(window) >= z_min_samples and mad > 0:

@@ -3,13 +3,10 @@
 
 from __future__ import annotations
 
+from datetime import datetime
 from typing import Any, Literal
 
-from pydantic import (
-    BaseModel,
-    ConfigDict,
-    Field,
-)
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from ampwatch.server.models import AlertStatus, Severity
 
@@ -17,7 +14,10 @@ from ampwatch.server.models import AlertStatus, Severity
 class AlertPublic(BaseModel):
     """One alert: `layer` is '' for run-level rules; steps say when in training (onset,
     firing, resolution), times (Unix seconds) when the collector saw it; `message` explains
-    the firing in words, `values` has its numbers."""
+    the firing in words, `values` has its numbers. Read from an `Alert` row
+    (`AlertPublic.model_validate(alert)`)."""
+
+    model_config = ConfigDict(from_attributes=True)
 
     id: int
     run_id: int
@@ -33,6 +33,16 @@ class AlertPublic(BaseModel):
     resolved_at: float | None
     message: str
     values: dict[str, Any]
+
+    @field_validator("started_at", "fired_at", "resolved_at", mode="before")
+    @classmethod
+    def _unix_seconds(cls, moment: Any) -> Any:
+        return moment.timestamp() if isinstance(moment, datetime) else moment
+
+    @field_validator("values", mode="before")
+    @classmethod
+    def _no_values(cls, values: Any) -> Any:
+        return {} if values is None else values
 
 
 class AlertsPublic(BaseModel):
