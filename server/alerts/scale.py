@@ -58,7 +58,7 @@ def loss_scale_collapse(
         run, since = d.incident_skips, d.incident_skips_from
         ongoing = " (ongoing)" if d.skip_run == run else ""
         parts.append(f"{run} consecutive skipped steps since step {since}{ongoing}")
-        values.update(consecutive_skips=run, skips_since_step=start)
+        values.update(consecutive_skips=run, skips_since_step=since)
     message = "; ".join(parts)
     tracker.holds("loss_scale_collapse", s, lambda: (message, values), onset=min(onsets))
 
