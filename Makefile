@@ -6,7 +6,7 @@ VENV ?= .venv
 TORCH_SPEC ?= torch==2.13.0
 BIN := $(VENV)/bin
 
-.PHONY: demo serve test setup frameworks browser prometheus
+.PHONY: demo serve test check setup frameworks browser prometheus
 
 demo: setup
 	$(BIN)/ampwatch demo
@@ -14,8 +14,17 @@ demo: setup
 serve: setup
 	$(BIN)/ampwatch serve
 
-test: setup frameworks browser prometheus
+# The checks run first, so CI (.ci/run) fails on a lint, format or type error before the suite.
+test: setup check frameworks browser prometheus
 	$(BIN)/pytest
+
+# Lint, format and types (settings in pyproject.toml). mypy checks the packages under their
+# installed names through a link tree built from the install's package mapping.
+check: setup
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+	$(BIN)/python .ci/package_tree.py build/typecheck
+	$(BIN)/mypy
 
 setup: $(VENV)/.installed
 

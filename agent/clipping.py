@@ -136,7 +136,7 @@ class ScaledClipCheck:
             ]
             if scaled:
                 self._report(scaled)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _still_scaled(self, optimizer: torch.optim.Optimizer) -> bool:

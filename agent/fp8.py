@@ -290,7 +290,7 @@ class Fp8Monitor:
         try:
             if (step - 1) % self._every == 0 and self._layers:
                 sample = self._sample(step)
-        except Exception as exc:  # a failure costs the sample, never the step
+        except Exception as exc:  # noqa: BLE001 - a failure costs the sample, never the step
             self._on_error(exc)
         self.disarm()
         self._arm_for(step + 1)
@@ -316,7 +316,7 @@ class Fp8Monitor:
                 x = args[0]
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
                     self._inputs.setdefault(name, []).append((quantisation_counts(x), x.numel()))
-            except Exception as exc:  # never let the agent break a forward pass
+            except Exception as exc:  # noqa: BLE001 - never let the agent break a forward pass
                 self._on_error(exc)
 
         return hook

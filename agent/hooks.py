@@ -85,7 +85,7 @@ class ActivationNorm:
             self._mean.add(norms.mean())
             peak = norms.amax()
             self._max = peak if self._max is None else torch.maximum(self._max, peak)
-        except Exception as exc:  # never let the agent break a forward pass
+        except Exception as exc:  # noqa: BLE001 - never let the agent break a forward pass
             self._on_error(exc)
 
 
@@ -134,7 +134,7 @@ class PrecisionProbe:
             fp8 = [n for n, m in self._model.named_modules() if getattr(m, "fp8", False) is True]
             if fp8:
                 self._report("fp8_modules", {"modules": fp8})
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _check_autocast(self) -> None:
@@ -148,7 +148,7 @@ class PrecisionProbe:
             return
         try:
             self._check_autocast()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
 
     def _root_hook(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
@@ -156,7 +156,7 @@ class PrecisionProbe:
             return
         try:
             self._check_autocast()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
         self.finish()
 
@@ -226,7 +226,7 @@ class ActivationMaxAbs:
                 peak = torch.linalg.vector_norm(output.detach(), ord=math.inf, dtype=torch.float32)
                 old = self._peaks.get(name)
                 self._peaks[name] = peak if old is None else torch.maximum(old, peak)
-            except Exception as exc:  # never let the agent break a forward pass
+            except Exception as exc:  # noqa: BLE001 - never let the agent break a forward pass
                 self._on_error(exc)
 
         return hook

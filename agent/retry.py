@@ -1,5 +1,5 @@
 """The one retry policy of every ampwatch delivery: agent batches, `ampwatch upload` and the
-collector's webhook notifications (`ampwatch.server.notify`).
+collector's webhook notifications (`ampwatch.server.webhook_delivery`).
 
 Standard library only: the collector imports it without torch.
 

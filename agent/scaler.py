@@ -135,14 +135,14 @@ class ScalerTap:
             try:
                 loss = outputs.detach()
                 self.loss.add(loss.float().mean() if loss.dim() else loss)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
                 self._on_error(exc)
         return self._originals["scale"](outputs)
 
     def _update(self, new_scale: float | torch.Tensor | None = None) -> None:
         try:
             prepared = self._before_update()
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             self._on_error(exc)
             prepared = None
         self._originals["update"](new_scale)
@@ -153,5 +153,5 @@ class ScalerTap:
         if prepared is not None:
             try:
                 self._after_update(prepared)
-            except Exception as exc:
+            except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
                 self._on_error(exc)

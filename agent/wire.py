@@ -2,7 +2,7 @@
 
 The agent builds batches with these helpers (standard library only, so training images need
 nothing but torch); the collector validates them with pydantic models in
-`ampwatch.server.schemas` whose field names and limits come from the constants here, and
+`ampwatch.server.schemas.wire` whose field names and limits come from the constants here, and
 the tests send agent-built batches through those models.
 
 A batch, as JSON (`WIRE_VERSION` 1)::

@@ -87,9 +87,6 @@ def report(o: Outcome) -> list[str]:
     lines = [f"{head}  truth: {truth}"]
     if o.signal_problems:
         lines.append(f"  SIGNALS NOT AS LABELED: {'; '.join(o.signal_problems)}")
-    if o.alerts is None:
-        lines.append("  alerts: endpoint missing")
-        return lines
     fired = o.fired_rules
     lines.append(f"  fired    {_fired(o)}")
     missing = label.must_fire - fired
@@ -109,8 +106,7 @@ def report(o: Outcome) -> list[str]:
             f"margin {o.advisor.get('margin_steps')})")  # fmt: skip
         lines.append(f"  advisor  picked {o.advisor_pick()}  labeled "
                      f"{label.healthy_checkpoint}{onset}")  # fmt: skip
-    for problem in o.problems:
-        lines.append(f"  MISS  {problem}")
+    lines.extend(f"  MISS  {problem}" for problem in o.problems)
     return lines
 
 
@@ -172,8 +168,7 @@ def report_real(v: real_logs.Verdict) -> list[str]:
             f"  advisor  picked {picked} of {[c for c, _ in v.excerpt.checkpoints]}; "
             f"onset {v.advisor.get('onset_step')} ({v.advisor.get('onset_rule')})"
         )
-    for problem in v.problems():
-        lines.append(f"  NOTE  {problem}")
+    lines.extend(f"  NOTE  {problem}" for problem in v.problems())
     return lines
 
 

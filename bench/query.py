@@ -52,7 +52,7 @@ from ampwatch.server.layer_rollups import (
 )
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import LayerRollup, LayerStat
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas.wire import BatchIn
 
 LAYER_EVERY = 10
 STEPS_PER_BATCH = 2000

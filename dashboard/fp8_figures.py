@@ -13,13 +13,8 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.figures import (
-    STEP_AXIS_TITLE,
-    empty_figure,
-    figure_of,
-    label_margin,
-    short_label,
-)
+from ampwatch.dashboard.figure_common import STEP_AXIS_TITLE, empty_figure, figure_of
+from ampwatch.dashboard.heatmap_figures import label_margin, short_label
 
 VERDICT_LABELS = {
     "fits": "fits (per-tensor FP8)",

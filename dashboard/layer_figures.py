@@ -25,7 +25,7 @@ import plotly.graph_objects as go
 
 from ampwatch.agent.wire import EXPONENT_BIAS, EXPONENT_HISTOGRAM_BINS, FP16_MAX
 from ampwatch.dashboard.client import LayerHistograms, LayerSeries
-from ampwatch.dashboard.figures import (
+from ampwatch.dashboard.figure_common import (
     STEP_AXIS_TITLE,
     empty_figure,
     figure_of,

@@ -14,8 +14,8 @@ A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
    incident's onset; every candidate carries a caveat instead ("fix that before
    restarting");
 3. the final-layer activation norm (mean over tokens) was within the run's own robust
-   baseline before it: <= median + k * 1.4826 * MAD of the step-rollup extremes of the
-   `baseline_buckets` rollups (64 steps each) that end before it;
+   baseline before it: <= median + k * 1.4826 * MAD (`ampwatch.server.baselines`) of the
+   step-rollup extremes of the `baseline_buckets` rollups (64 steps each) that end before it;
 4. it precedes the incident onset by at least `margin_steps`;
 5. it was saved before the run's first non-finite loss, whatever the alerts say (a NaN run
    can end "succeeded" and leave a poisoned checkpoint; the first non-finite loss is found
@@ -51,9 +51,9 @@ RestartCandidates(run_id=7, onset_step=115, onset_rule='activation_norm_spike', 
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from itertools import pairwise
-from statistics import median
 from typing import Any
 
 from sqlalchemy import func, select
@@ -62,16 +62,17 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import encode_float
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
+from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
 from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
-from ampwatch.server.schemas import (
-    CheckpointPublic,
+from ampwatch.server.schemas.advisor import (
     DataSkip,
     RestartCandidate,
     RestartCandidates,
     RestartCheckpoint,
 )
+from ampwatch.server.schemas.runs import CheckpointPublic
 
 #: Rules whose alerts announce or make up a divergence: chained into the incident that
 #: reached critical. Others (no_data, configuration findings, per-layer underflow
@@ -97,8 +98,6 @@ CONFIGURATION_CAVEATS = {
     "clip_before_unscale": "the run clips gradients before scaler.unscale_ (the threshold "
     "is off by the loss scale): fix that before restarting",
 }
-#: MAD of normally distributed values times this is their standard deviation.
-MAD_TO_SIGMA = 1.4826
 #: Fewer baseline values than this: the activation norm is not judged.
 MIN_BASELINE_VALUES = 8
 
@@ -107,7 +106,7 @@ MIN_BASELINE_VALUES = 8
 class AdvisorConfig:
     """The advisor's thresholds (module docstring); every one can be overridden."""
 
-    min_loss_scale: float = 1.0
+    min_loss_scale: float = HEALTHY_LOSS_SCALE
     fall_window: int = 20
     baseline_buckets: int = 16
     baseline_k: float = 4.0
@@ -324,7 +323,7 @@ def _judge(
 
 
 def _judge_scale(
-    verdict: _Judgement, rows: list[Any], scale: float | None, config: AdvisorConfig
+    verdict: _Judgement, rows: Sequence[Any], scale: float | None, config: AdvisorConfig
 ) -> None:
     if scale is None:
         verdict.notes.insert(0, "no loss scale reported (no scaler)")
@@ -367,9 +366,8 @@ def _judge_act_norm(
     if len(values) < MIN_BASELINE_VALUES:
         verdict.notes.append(f"act norm {_fmt3(norm)} (too little history for a baseline)")
         return
-    center = median(values)
-    mad = median(abs(v - center) for v in values)
-    band = config.baseline_k * max(MAD_TO_SIGMA * mad, config.baseline_rel_floor * abs(center))
+    center, sigma = robust_baseline(values)
+    band = config.baseline_k * max(sigma, config.baseline_rel_floor * abs(center))
     if norm > center + band:
         verdict.failures.append(
             f"act norm {_fmt3(norm)} above baseline {_fmt3(center)}±{band:.2g} "
@@ -459,7 +457,7 @@ def restart_candidates(
                 step=checkpoint.step,
                 path=checkpoint.path,
                 time=checkpoint.time,
-                verdict=verdict,  # type: ignore[arg-type]
+                verdict=verdict,
                 reasons=[*reasons, *caveats],
                 loss_scale=encode_float(judgement.loss_scale),
                 act_norm=encode_float(judgement.act_norm),

@@ -83,7 +83,8 @@ def tiny_lm(seed: int, vocab_in: int = VOCAB) -> torch.nn.Module:
             hidden = self.emb(tokens)
             for block in self.blocks:
                 hidden = hidden + block(hidden)
-            return self.head(self.norm(hidden))
+            logits: torch.Tensor = self.head(self.norm(hidden))
+            return logits
 
     torch.manual_seed(seed)
     return TinyLM()

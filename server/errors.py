@@ -75,7 +75,9 @@ class StrictJSONRequest(Request):
             try:
                 self._json = orjson.loads(body)
             except orjson.JSONDecodeError as error:
-                raise json.JSONDecodeError(str(error), body.decode(errors="replace"), error.pos)
+                raise json.JSONDecodeError(
+                    str(error), body.decode(errors="replace"), error.pos
+                ) from error
         return self._json
 
 

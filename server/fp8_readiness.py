@@ -301,7 +301,7 @@ def _layer(
                 continue
             roles[role] = RoleMeasure(
                 format=fmt, scaling=scaling, score=float(by_role[role][i]), **got
-            )  # type: ignore[arg-type]
+            )
         if roles:
             recipes[recipe] = RecipeFit(fits=bool(total[i] <= 1), score=float(total[i]),
                                         roles=roles)  # fmt: skip

@@ -8,7 +8,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
 from ampwatch.server.models import Event, LayerHistogram, Step
-from ampwatch.server.schemas import CheckpointPublic, CheckpointsPublic, LayerHistograms
+from ampwatch.server.schemas.runs import CheckpointPublic, CheckpointsPublic, LayerHistograms
 
 
 def layer_histograms(

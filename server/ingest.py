@@ -24,7 +24,7 @@ from weakref import WeakKeyDictionary
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import Engine, insert, select
+from sqlalchemy import Engine, Table, insert, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import (
@@ -55,7 +55,8 @@ from ampwatch.server.models import (
 )
 from ampwatch.server.packed import pack_row
 from ampwatch.server.rollups import refresh_step_rollups
-from ampwatch.server.schemas import BatchIn, EventIn, IngestAck, LayerStatsIn, StepIn
+from ampwatch.server.schemas.runs import IngestAck
+from ampwatch.server.schemas.wire import BatchIn, EventIn, LayerStatsIn, StepIn
 
 
 def ingest_batch(
@@ -326,6 +327,7 @@ def _upsert(
     if not rows:
         return
     table = model.__table__
+    assert isinstance(table, Table)  # a mapped class, not a select
     connection = session.connection()
     dialect = connection.dialect
     quote = dialect.identifier_preparer.quote  # `values` is a reserved word

@@ -16,7 +16,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth, errors, heap, metrics, migrate, notify
+from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
@@ -46,7 +46,7 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
         with sessions() as session:
             auth.check_exposure(session, settings)
-        worker = notify.DeliveryWorker(sessions, settings).start()
+        worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
         with heap.startup_heap_frozen():
             yield
         worker.stop()
@@ -78,15 +78,12 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)
     # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
-    authenticated = {"dependencies": [Depends(get_principal)], "responses": AUTH_ERRORS}
-    app.include_router(metrics_api.router, **authenticated)
-    app.include_router(ingest.router, prefix=API_PREFIX, **authenticated)
-    app.include_router(runs.router, prefix=API_PREFIX, **authenticated)
-    app.include_router(run_data.router, prefix=API_PREFIX, **authenticated)
-    app.include_router(webhooks.router, prefix=API_PREFIX, **authenticated)
-    app.include_router(advisor.router, prefix=API_PREFIX, **authenticated)
-    app.include_router(fp8.router, prefix=API_PREFIX, **authenticated)
-    alerts.mount(app, prefix=API_PREFIX, **authenticated)  # routes + the alerts file
+    guard = [Depends(get_principal)]
+    app.include_router(metrics_api.router, dependencies=guard, responses=AUTH_ERRORS)
+    for api in (ingest, runs, run_data, webhooks, advisor, fp8):
+        app.include_router(api.router, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
+    # The routes + the alerts file.
+    alerts.mount(app, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
     if settings.dashboard:
         _mount_dashboard(app, settings)
     # Added last, so outermost: a request waits for its turn before any other work.
@@ -94,7 +91,8 @@ def create_app(settings: Settings | None = None) -> FastAPI:
     return app
 
 
-def _auth_error(_request: Request, error: auth.AuthError) -> JSONResponse:
+def _auth_error(_request: Request, error: Exception) -> JSONResponse:
+    assert isinstance(error, auth.AuthError)  # registered for it alone
     # RFC 6750: a 401 names the scheme the client should use.
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
     return JSONResponse({"detail": error.message}, status_code=error.status, headers=headers)
@@ -119,8 +117,9 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     # Level 1: ~10 ms of server CPU per MB; higher levels cost 3x for a few percent more.
     app.mount(
         DASHBOARD_PATH,
-        GZipMiddleware(WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1),
-    )  # type: ignore[arg-type]
+        # a2wsgi's ASGI types are stricter than starlette's callable protocol, same shape.
+        GZipMiddleware(WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1),  # type: ignore[arg-type]
+    )
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:

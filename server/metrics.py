@@ -40,7 +40,7 @@ from ampwatch.server import run_metrics
 from ampwatch.server.exposition import escape, render_labels
 from ampwatch.server.exposition import family as _family
 from ampwatch.server.models import Run
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas.wire import BatchIn
 
 #: Why an ingest request was refused, by HTTP status (`IngestCounters.record_rejection`).
 REJECTION_REASONS = {

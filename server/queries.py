@@ -10,12 +10,7 @@ from sqlalchemy.orm import Session, aliased
 from ampwatch.agent.wire import DROPPED_KINDS, encode_float
 from ampwatch.server.models import Event, Health, Run, RunStatus, RunStepTotals, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
-from ampwatch.server.schemas import (
-    EventPublic,
-    EventsPublic,
-    RunPublic,
-    RunsPublic,
-)
+from ampwatch.server.schemas.runs import EventPublic, EventsPublic, RunPublic, RunsPublic
 
 #: The runs list's `skip_rate` covers the last this many step rollups of each run (1,024
 #: steps at `ROLLUP_WIDTH` 64): recent enough to show a skip storm now, read from a few
@@ -130,6 +125,7 @@ def _run_public(
     last_step: Any,
     skipped: Any,
     scale: Any,
+    *,
     skip_rate: float | None = None,
 ) -> RunPublic:
     return RunPublic(

@@ -45,8 +45,8 @@ from ampwatch.server.layer_rollups import FINEST, Piece, plan_reads
 from ampwatch.server.models import Layer, Module, Step, StepRollup
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import ROLLUP_COLUMNS, ROLLUP_WIDTH, step_aggregates
-from ampwatch.server.schemas import MAX_BIGINT as MAX_STEP
-from ampwatch.server.schemas import LayerMatrix, LayerSeries, StepSeries
+from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
+from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
 
 
 @dataclass
@@ -141,7 +141,7 @@ def step_series(
         groups = session.execute(
             select(Step.step, Step.lr_groups).where(*in_range, Step.lr_groups.is_not(None))
         )
-        lr_groups = {step: _wire_list(blob) for step, blob in groups}
+        lr_groups = {step: _wire_list(blob) for step, blob in groups if blob is not None}
         return _columns(list(_buckets_from(rows).values()), 1, lr_groups)
 
     width = bucket_width_for(low, high, max_points // 2, align=ROLLUP_WIDTH)
@@ -231,10 +231,11 @@ def _columns(
             skipped_count.append(count)
             for i, name in enumerate(STEP_FLOAT_FIELDS):
                 floats[name].append(encode_float(bucket.extremes[2 * i + extreme]))
-    return StepSeries.model_construct(
-        step=steps, skipped=skipped, skipped_count=skipped_count, bucket_width=width,
-        lr_groups=[lr_groups.get(step) for step in steps], **floats,
-    )  # fmt: skip
+    columns: dict[str, Any] = {
+        "step": steps, "skipped": skipped, "skipped_count": skipped_count, "bucket_width": width,
+        "lr_groups": [lr_groups.get(step) for step in steps], **floats,
+    }  # fmt: skip
+    return StepSeries.model_construct(**columns)
 
 
 def _names_table(stat: str) -> type[Layer | Module]:

@@ -12,7 +12,7 @@ import socket
 import threading
 import time
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import uvicorn
 from pydantic import SecretStr
@@ -21,6 +21,9 @@ from ampwatch.server.connections import HeadDeadlineProtocol
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.settings import Settings
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 
 def bind_socket(host: str = "127.0.0.1", port: int = 0) -> socket.socket:
@@ -122,7 +125,7 @@ class BackgroundCollector:
     def url(self) -> str:
         return self.settings.public_url
 
-    def start(self) -> BackgroundCollector:
+    def start(self) -> Self:
         """Migrate the database, then serve; returns once the server accepts requests."""
         upgrade(self.settings.database_url)
         if self._sock is None:
@@ -154,7 +157,7 @@ class BackgroundCollector:
         if self._sock is not None:
             self._sock.close()
 
-    def __enter__(self) -> BackgroundCollector:
+    def __enter__(self) -> Self:
         return self.start()
 
     def __exit__(

@@ -134,7 +134,7 @@ class _EngineTap:
             lrs = engine.get_lr()
             lr = float(lrs[0]) if lrs else None
             return scale, lr, self._layers(handle._step + 1, scale)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             handle._on_error(exc)
             return None
 
@@ -151,7 +151,7 @@ class _EngineTap:
             )
             if layers is not None:
                 handle._send(layers)
-        except Exception as exc:
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
             handle._on_error(exc)
 
     def _layers(self, step: int, scale: float | None) -> Any:

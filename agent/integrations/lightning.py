@@ -49,7 +49,7 @@ from ampwatch.agent import WatchHandle, watch
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
 except ImportError:  # the standalone package has the same API
-    from pytorch_lightning import (  # type: ignore[assignment]
+    from pytorch_lightning import (
         Callback,
         LightningModule,
         Trainer,
@@ -115,7 +115,7 @@ class AmpwatchCallback(Callback):
                 # out (a device tensor; a power of two divides exactly).
                 value = value.float() / scale
             self.handle.log_loss(value * self._loss_factor if self._loss_factor != 1 else value)
-        except Exception as exc:  # the agent never raises into the loop
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the loop
             self.handle._on_error(exc)
 
     def on_before_optimizer_step(
@@ -139,7 +139,7 @@ class AmpwatchCallback(Callback):
             if trainer.global_step > handle.step:  # the plugin skipped scaler.update()
                 scale = scaler._get_scale_async()
                 handle.record(step=trainer.global_step, skipped=True, loss_scale=scale, lr=self._lr)
-        except Exception as exc:  # the agent never raises into the loop
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the loop
             handle._on_error(exc)
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:

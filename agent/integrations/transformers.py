@@ -88,5 +88,5 @@ class AmpwatchCallback(TrainerCallback):
                 # mean loss averages.
                 handle._summed = kwargs.get("num_items_in_batch") is not None  # type: ignore[attr-defined]
                 handle.log_loss(loss)
-        except Exception as exc:  # the agent never raises into the loop
+        except Exception as exc:  # noqa: BLE001 - the agent never raises into the loop
             handle._on_error(exc)

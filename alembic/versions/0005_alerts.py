@@ -15,6 +15,7 @@ same transaction as the alert transition it announces, and the delivery log afte
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import sqlalchemy as sa
 from alembic import op
@@ -27,11 +28,11 @@ depends_on: str | Sequence[str] | None = None
 OPEN_ALERT = "status IN ('pending', 'firing')"
 
 
-def _time(name: str, nullable: bool = False) -> sa.Column:
+def _time(name: str, nullable: bool = False) -> sa.Column[Any]:
     return sa.Column(name, sa.DateTime(timezone=True), nullable=nullable)
 
 
-def _run_id(nullable: bool = False, unique: bool = False) -> sa.Column:
+def _run_id(nullable: bool = False, unique: bool = False) -> sa.Column[Any]:
     return sa.Column(
         "run_id",
         sa.Integer(),

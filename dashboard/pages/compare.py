@@ -10,7 +10,7 @@ import dash
 import plotly.graph_objects as go
 from dash import Input, Output, dcc, html
 
-from ampwatch.dashboard import figures, ids
+from ampwatch.dashboard import compare_figures, figure_common, ids
 from ampwatch.dashboard.client import CollectorClient, CollectorError, StepSeries
 
 GRAPH_CONFIG = dcc.Graph.Config(displaylogo=False, responsive=True)
@@ -43,7 +43,9 @@ def layout(
                 value=[r for r in run_ids or [] if r in known],
                 placeholder="pick two or more runs…",
             ),
-            dcc.Graph(id=ids.COMPARE_GRAPH, config=GRAPH_CONFIG, figure=figures.compare_figure([])),
+            dcc.Graph(
+                id=ids.COMPARE_GRAPH, config=GRAPH_CONFIG, figure=compare_figures.compare_figure([])
+            ),
         ]
     )
 
@@ -57,8 +59,8 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
                 for r in run_ids or []
             ]
         except CollectorError as exc:
-            return figures.empty_figure("Compare runs", str(exc))
-        return figures.compare_figure(unique_names(runs))
+            return figure_common.empty_figure("Compare runs", str(exc))
+        return compare_figures.compare_figure(unique_names(runs))
 
 
 def unique_names(runs: list[tuple[str, StepSeries]]) -> list[tuple[str, StepSeries]]:

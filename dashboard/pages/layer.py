@@ -15,7 +15,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, State, dcc, html
 
 from ampwatch.agent.wire import LAYER_STATS
-from ampwatch.dashboard import figures, ids
+from ampwatch.dashboard import figure_common, ids
 from ampwatch.dashboard.client import CollectorClient, CollectorError, RunNotFound
 from ampwatch.dashboard.layer_figures import exponent_histogram_figure, layer_series_figure
 from ampwatch.dashboard.urls import href, layer_path, run_path
@@ -38,12 +38,12 @@ def layout(run_id: int = 0, layer: str = "", step: int | None = None, **_kwargs:
             dcc.Graph(
                 id=ids.LAYER_HISTOGRAM_GRAPH,
                 config=GRAPH_CONFIG,
-                figure=figures.empty_figure("Gradient exponent histogram", "Loading…"),
+                figure=figure_common.empty_figure("Gradient exponent histogram", "Loading…"),
             ),
             dcc.Graph(
                 id=ids.LAYER_SERIES_GRAPH,
                 config=GRAPH_CONFIG,
-                figure=figures.empty_figure("Gradient statistics of this layer", "Loading…"),
+                figure=figure_common.empty_figure("Gradient statistics of this layer", "Loading…"),
             ),
         ]
     )

@@ -33,7 +33,7 @@ import plotly.graph_objects as go
 from dash import Input, Output, Patch, State, ctx, dcc, html
 from dash.exceptions import PreventUpdate
 
-from ampwatch.dashboard import figures, ids
+from ampwatch.dashboard import alert_figures, figure_common, heatmap_figures, ids, step_figures
 from ampwatch.dashboard.client import (
     HEATMAP_STEPS,
     STEP_COLUMNS,
@@ -349,7 +349,7 @@ def update_run_data(
     return patch, {**cursor, **moved}
 
 
-def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | None | bool:
+def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | bool | None:
     """The x window a relayout event asks for: (start, end) steps, None for "zoom out"
     (autorange), False when the event is not about the x axis (resize, y zoom).
 
@@ -394,7 +394,7 @@ def run_header(run: RunSummary) -> html.Div:
         ("project", run.project),
         ("status", run.status),
         ("last step", "—" if run.last_step is None else f"{run.last_step:,}"),
-        ("loss scale", figures.format_loss_scale(run.last_loss_scale)),
+        ("loss scale", figure_common.format_loss_scale(run.last_loss_scale)),
         ("skip rate (last ~1k steps)", format_rate(run.skip_rate)),
         ("skipped steps", f"{run.skipped_steps:,}"),
         ("last data", format_age(age_seconds(run, datetime.now(timezone.utc)))),
@@ -406,7 +406,7 @@ def run_header(run: RunSummary) -> html.Div:
                 # One group per fact, so a wrapping line never parts a label from its value.
                 [html.Div([html.Dt(label), html.Dd(value)]) for label, value in facts],
                 className="facts",
-                title=f"last data {figures.format_time(run.last_seen_at)}",
+                title=f"last data {figure_common.format_time(run.last_seen_at)}",
             ),
         ]
     )
@@ -442,7 +442,7 @@ def alerts_list(alerts: list[Alert] | None, hidden: dict[str, int] | None = None
                 [
                     html.Span(alert.severity, className=f"badge health-{alert.severity}"),
                     html.Span(alert.status, className=f"badge status-{alert.status}"),
-                    html.B(figures.alert_label(alert)),
+                    html.B(alert_figures.alert_label(alert)),
                     html.Span(f" ({steps})" if steps else "", className="muted"),
                     html.Div(alert.message, className="message"),
                     html.Div(values, className="values muted") if values else None,
@@ -516,11 +516,11 @@ def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> h
             [
                 html.Td("—" if c.step is None else f"{c.step:,}", className="num"),
                 html.Td(
-                    ("★ " if c.verdict == figures.RECOMMENDED else "") + c.verdict,
+                    ("★ " if c.verdict == step_figures.RECOMMENDED else "") + c.verdict,
                     className=f"verdict-{c.verdict}",
                 ),
                 html.Td("; ".join(c.reasons)),
-                html.Td(figures.format_loss_scale(c.loss_scale), className="num"),
+                html.Td(figure_common.format_loss_scale(c.loss_scale), className="num"),
                 html.Td("—" if c.act_norm is None else f"{c.act_norm:.4g}", className="num"),
                 html.Td(c.path or ""),
             ],
@@ -558,7 +558,7 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     are hidden rather than repeating it six times.
     """
     if data is None:
-        loading = [figures.empty_figure(title, "Loading…") for title in STEP_FIGURE_TITLES]
+        loading = [figure_common.empty_figure(title, "Loading…") for title in STEP_FIGURE_TITLES]
         return (dash.no_update, *loading, None, None, {})
     if "error" in data:
         blank = [go.Figure() for _ in STEP_FIGURE_TITLES]
@@ -581,14 +581,14 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     run = RunSummary.from_json(data["run"])
     return (
         run_header(run),
-        figures.loss_scale_figure(
+        step_figures.loss_scale_figure(
             steps, checkpoints=checkpoints, alerts=alerts or (), x_range=x_range
         ),
-        figures.skip_rate_figure(steps, x_range=x_range),
-        figures.grad_norm_figure(steps, x_range=x_range),
-        figures.activation_norm_figure(steps, x_range=x_range),
-        figures.layer_heatmap(LayerMatrix.from_json(source["heatmap"]), x_range=x_range),
-        figures.alerts_timeline_figure(
+        step_figures.skip_rate_figure(steps, x_range=x_range),
+        step_figures.grad_norm_figure(steps, x_range=x_range),
+        step_figures.activation_norm_figure(steps, x_range=x_range),
+        heatmap_figures.layer_heatmap(LayerMatrix.from_json(source["heatmap"]), x_range=x_range),
+        alert_figures.alerts_timeline_figure(
             alerts,
             full_steps.last_step,
             x_range=x_range or run_span(full_steps),

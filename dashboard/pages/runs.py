@@ -19,7 +19,7 @@ from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from ampwatch.dashboard import ids
 from ampwatch.dashboard.client import CollectorClient, CollectorError, RunSummary
-from ampwatch.dashboard.figures import format_loss_scale
+from ampwatch.dashboard.figure_common import format_loss_scale
 from ampwatch.dashboard.urls import compare_path, href, run_path
 
 REFRESH_MS = 5_000

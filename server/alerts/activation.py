@@ -15,7 +15,9 @@ from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.state import StepState
-from ampwatch.server.schemas import StepIn
+from ampwatch.server.baselines import robust_baseline
+from ampwatch.server.models import Severity
+from ampwatch.server.schemas.wire import StepIn
 
 
 def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
@@ -55,15 +57,13 @@ def act_baselines(
     full = np.flatnonzero(ends >= width)
     if full.size:
         windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[full] - width]
-        medians = np.median(windows, axis=1)
-        mads = 1.4826 * np.median(np.abs(windows - medians[:, None]), axis=1)
+        medians, mads = robust_baseline(windows, axis=1)
         for i, median, mad in zip(full.tolist(), medians.tolist(), mads.tolist()):
             out[i] = (median, mad)
     for i in np.flatnonzero(ends < width).tolist():
         if ends[i] >= rule.min_baseline_steps:
             window = series[: ends[i]]
-            median = float(np.median(window))
-            out[i] = (median, 1.4826 * float(np.median(np.abs(window - median))))
+            out[i] = robust_baseline(window)
     return out
 
 
@@ -101,7 +101,7 @@ def activation_spike(
     d.last_spike = s
     d.last_spike_value = value
     z = (value - median) / mad if mad > 0 else None
-    severity = "critical" if falling else "warning"
+    severity: Severity = "critical" if falling else "warning"
     scale, last_fall = d.scale, d.last_fall
 
     def detail() -> tuple[str, dict[str, Any]]:

@@ -55,7 +55,7 @@ from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.fp8_readiness import recipe_of
 from ampwatch.server.models import AlertState, Run
-from ampwatch.server.schemas import BatchIn, StepIn
+from ampwatch.server.schemas.wire import BatchIn, StepIn
 
 logger = logging.getLogger(__name__)
 
@@ -161,16 +161,16 @@ def _apply_events(
             code = str(event.data.get("code"))
             if code == "fp16_params_without_scaler":
                 state.fp16_without_scaler = True
-            rule = rules.FINDING_RULES.get(code)
-            if rule is None or not settings[rule].enabled:
+            finding_rule = rules.FINDING_RULES.get(code)
+            if finding_rule is None or not settings[finding_rule].enabled:
                 continue  # bf16_in_use, fp8_in_use: facts, shown as events
-            message = str(event.data.get("message") or rule)
+            message = str(event.data.get("message") or finding_rule)
 
             def detail(message: str = message, data: dict[str, Any] = event.data,
                        step: int = step) -> tuple[str, dict[str, Any]]:  # fmt: skip
                 return f"{message} (reported at step {step})", {"finding": data, "step": step}
 
-            tracker.holds(rule, step, detail)
+            tracker.holds(finding_rule, step, detail)
     return restarted
 
 

@@ -19,7 +19,7 @@ from ampwatch.agent import wire
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.fp8_readiness import recipe_scores
-from ampwatch.server.schemas import LayerStatsIn
+from ampwatch.server.schemas.wire import LayerStatsIn
 
 if TYPE_CHECKING:
     from ampwatch.server.alerts.layers import LayerState
@@ -90,7 +90,7 @@ def _judge(
         if tracker.still_firing(RULE, name):
             continue
         roles = {role: float(v[j]) for role, v in by_role.items() if not np.isnan(v[j])}
-        detail = _detail(name, step, recipe, rule, roles, data, j)
+        detail = _detail(name, step, recipe, rule, roles, data, int(j))
         tracker.holds(RULE, step, detail, layer=name, ready=bool(hits[j] >= rule.for_samples))
     tracker.clear_layers(RULE, step, names, valid & ~risky)
 

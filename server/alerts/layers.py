@@ -17,7 +17,7 @@ from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.fp8 import FP8_RECORD_STATS, fp8_risk
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.state import StepState
-from ampwatch.server.schemas import LayerStatsIn
+from ampwatch.server.schemas.wire import LayerStatsIn
 
 #: The gradient statistics these rules read; a record with none of them is not a sample.
 GRADIENT_STATS = frozenset(LAYER_STATS)

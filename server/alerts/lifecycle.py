@@ -24,7 +24,7 @@ resolution is notified, for the lead, when the last of them resolves. The groups
 the run's step state (`groups`: rule -> {lead alert id, layers}).
 
 `finish` writes those messages, flushes, enqueues notifications
-(`ampwatch.server.notify.enqueue`) and keeps `Run.health`.
+(`ampwatch.server.outbox.enqueue`) and keeps `Run.health`.
 """
 
 from __future__ import annotations
@@ -37,9 +37,9 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
-from ampwatch.server import notify
+from ampwatch.server import outbox
 from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER, RuleSettings
-from ampwatch.server.models import Alert, Run
+from ampwatch.server.models import Alert, Run, Severity
 
 #: A deferred (message, values) for an alert: built only when it is written.
 Detail = Callable[[], tuple[str, dict[str, Any]]]
@@ -118,7 +118,7 @@ class Tracker:
         self._leads: dict[str, Alert] = {}  # leads that fired in this batch (no id yet)
         self._joined: list[tuple[str, Alert]] = []
         self._bulk: list[dict[str, Any]] = []  # resolutions of OpenRows, not yet written
-        self._notify: list[tuple[Alert, notify.Transition]] = []
+        self._notify: list[tuple[Alert, outbox.Transition]] = []
 
     # -- what evaluators call ---------------------------------------------------------
 
@@ -151,7 +151,7 @@ class Tracker:
         *,
         layer: str = "",
         onset: int | None = None,
-        severity: str | None = None,
+        severity: Severity | None = None,
         ready: bool = True,
     ) -> None:
         """The condition of (`rule`, `layer`) holds at `step`; its onset was `onset`.
@@ -342,7 +342,7 @@ class Tracker:
                 lead.values = {**(lead.values or {}), "layers_affected": group["layers"]}
                 lead.message = _group_message(lead.message, group["layers"])
         for alert, transition in self._notify:
-            notify.enqueue(self.session, alert, transition)
+            outbox.enqueue(self.session, alert, transition)
         health = health_of(self.open.values())
         if self.run.health != health:
             self.run.health = health  # type: ignore[assignment]

@@ -16,6 +16,7 @@ from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from ampwatch.server.baselines import HEALTHY_LOSS_SCALE
 from ampwatch.server.fp8_readiness import Fp8Limits
 from ampwatch.server.models import Severity
 
@@ -43,7 +44,7 @@ class LossScaleCollapse(RuleSettings):
     for_steps: int = _for_steps(0)
     resolve_steps: int = _resolve_steps(100)
     min_scale: float = Field(
-        default=1.0,
+        default=HEALTHY_LOSS_SCALE,
         ge=0,
         description="Fire when the loss scale falls below this, or skips at it, while it is "
         "still falling (trend_steps), whatever floor the run reports (DeepSpeed and Megatron "

@@ -112,7 +112,7 @@ def loss_scale_collapse(
                     scale_before_fall=before,
                     fall_octaves=math.log2(peak / scale) if scale > 0 else None,
                 )
-        if d.skip_run >= rule.max_consecutive_skips:
+        if d.skip_run >= rule.max_consecutive_skips and d.skip_run_start is not None:
             onsets.append(d.skip_run_start)
     # The longest run of skips of this incident stays in its message after it ended.
     if d.skip_run and (d.skip_run > d.incident_skips):
@@ -122,10 +122,10 @@ def loss_scale_collapse(
         tracker.clear("loss_scale_collapse", s)
         return
     if d.incident_skips >= rule.max_consecutive_skips:
-        run, start = d.incident_skips, d.incident_skips_from
+        run, since = d.incident_skips, d.incident_skips_from
         ongoing = " (ongoing)" if d.skip_run == run else ""
-        parts.append(f"{run} consecutive skipped steps since step {start}{ongoing}")
-        values.update(consecutive_skips=run, skips_since_step=start)
+        parts.append(f"{run} consecutive skipped steps since step {since}{ongoing}")
+        values.update(consecutive_skips=run, skips_since_step=since)
     message = "; ".join(parts)
     tracker.holds("loss_scale_collapse", s, lambda: (message, values), onset=min(onsets))
 
@@ -164,9 +164,15 @@ def scale_floor_stall(
     if not rule.enabled:
         return
     if d.min_loss_scale is not None:  # the scaler said where its floor is
-        floored = d.stall_run >= 1 and d.stall_scale <= d.min_loss_scale
+        floored = (
+            d.stall_run >= 1 and d.stall_scale is not None and d.stall_scale <= d.min_loss_scale
+        )
     else:
-        floored = d.stall_run >= rule.floor_skips and d.stall_scale <= rule.floor_max_scale
+        floored = (
+            d.stall_run >= rule.floor_skips
+            and d.stall_scale is not None
+            and d.stall_scale <= rule.floor_max_scale
+        )
     if d.stall_run >= rule.window_steps or floored:
         run, start, floor = d.stall_run, d.stall_start, d.stall_scale
         tracker.holds(
@@ -193,6 +199,7 @@ def skip_rate(tracker: Tracker, d: StepState, s: int, skipped: bool, rule: rules
     cut = bisect.bisect_left(skips, first)
     if cut:
         del skips[:cut]
+    assert d.counted_from is not None  # set as calibration ends, before the first count
     counted = s - max(d.counted_from, first) + 1
     if counted < rule.min_steps:
         return

@@ -8,7 +8,8 @@ from fastapi import APIRouter, Query
 
 from ampwatch.server.advisor import restart_candidates, run_config
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
-from ampwatch.server.schemas import MAX_STEP, RestartCandidates
+from ampwatch.server.schemas.advisor import RestartCandidates
+from ampwatch.server.schemas.wire import MAX_STEP
 
 router = APIRouter(
     route_class=SessionRoute, prefix="/runs", tags=["restart advisor"], responses=RUN_ERRORS

@@ -42,8 +42,7 @@ from ampwatch.server.models import (
     Severity,
     utcnow,
 )
-from ampwatch.server.schemas import (
-    MAX_INT,
+from ampwatch.server.schemas.alerts import (
     AlertConfigIn,
     AlertConfigPublic,
     AlertPublic,
@@ -51,6 +50,7 @@ from ampwatch.server.schemas import (
     AlertRulesPublic,
     AlertsPublic,
 )
+from ampwatch.server.schemas.wire import MAX_INT
 
 router = APIRouter(route_class=SessionRoute, tags=["alerts"])
 
@@ -84,22 +84,7 @@ def _seconds(moment: datetime | None) -> float | None:
 
 
 def _public(alert: Alert) -> AlertPublic:
-    return AlertPublic(
-        id=alert.id,
-        run_id=alert.run_id,
-        rule=alert.rule,
-        layer=alert.layer,
-        severity=alert.severity,
-        status=alert.status,
-        started_step=alert.started_step,
-        fired_step=alert.fired_step,
-        resolved_step=alert.resolved_step,
-        started_at=alert.started_at.timestamp(),
-        fired_at=_seconds(alert.fired_at),
-        resolved_at=_seconds(alert.resolved_at),
-        message=alert.message,
-        values=alert.values or {},
-    )
+    return AlertPublic.model_validate(alert)
 
 
 def _page(

@@ -20,7 +20,8 @@ from ampwatch.server.auth import (
     run_project,
 )
 from ampwatch.server.errors import StrictJSONRequest
-from ampwatch.server.schemas import MAX_INT, ErrorPublic
+from ampwatch.server.schemas.errors import ErrorPublic
+from ampwatch.server.schemas.wire import MAX_INT
 from ampwatch.server.settings import Settings
 
 

@@ -21,7 +21,9 @@ from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, Sessio
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.errors import validation_detail
 from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.schemas import BatchIn, ErrorPublic, IngestAck
+from ampwatch.server.schemas.errors import ErrorPublic
+from ampwatch.server.schemas.runs import IngestAck
+from ampwatch.server.schemas.wire import BatchIn
 
 router = APIRouter(route_class=SessionRoute, tags=["ingest"])
 

@@ -19,9 +19,7 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
 from ampwatch.server import history, queries, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
-from ampwatch.server.schemas import (
-    MAX_BIGINT,
-    MAX_INT,
+from ampwatch.server.schemas.runs import (
     CheckpointsPublic,
     EventsPublic,
     LayerHistograms,
@@ -29,6 +27,7 @@ from ampwatch.server.schemas import (
     LayerSeries,
     StepSeries,
 )
+from ampwatch.server.schemas.wire import MAX_BIGINT, MAX_INT
 
 router = APIRouter(
     route_class=SessionRoute, prefix="/runs", tags=["run data"], responses=RUN_ERRORS

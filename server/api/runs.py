@@ -19,13 +19,8 @@ from ampwatch.server.api.deps import (
 )
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.models import Health, RunStatus
-from ampwatch.server.schemas import (
-    MAX_INT,
-    RunCreate,
-    RunEnd,
-    RunPublic,
-    RunsPublic,
-)
+from ampwatch.server.schemas.runs import RunCreate, RunEnd, RunPublic, RunsPublic
+from ampwatch.server.schemas.wire import MAX_INT
 
 router = APIRouter(route_class=SessionRoute, prefix="/runs", tags=["runs"])
 

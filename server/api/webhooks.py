@@ -2,39 +2,41 @@
 
 A project token creates, sees and removes only its project's webhooks; an admin sees all,
 and may create one without a project, which receives every project's alerts. Deliveries
-are made by the notification worker (`ampwatch.server.notify`), never by these routes,
+are made by the notification worker (`ampwatch.server.webhook_delivery`), never by these routes,
 except `/test`, which posts at once so the caller learns whether the URL works.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+from typing import Annotated, Any
 
 from fastapi import APIRouter, HTTPException, Query, Response
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server import notify
+from ampwatch.server import webhook_delivery
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import AuthError, Principal, ensure_project
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import Alert, Notification, Webhook, utcnow
-from ampwatch.server.schemas import (
-    MAX_INT,
+from ampwatch.server.schemas.errors import ErrorPublic
+from ampwatch.server.schemas.webhooks import (
     DeliveriesPublic,
     DeliveryPublic,
-    ErrorPublic,
     WebhookCreate,
     WebhookPublic,
     WebhooksPublic,
     WebhookTestResult,
 )
+from ampwatch.server.schemas.wire import MAX_INT
 
 router = APIRouter(
     route_class=SessionRoute, prefix="/webhooks", tags=["webhooks"], responses=NOT_YOURS
 )
 
-WEBHOOK_ERRORS = {404: {"model": ErrorPublic, "description": "No such webhook"}}
+WEBHOOK_ERRORS: dict[int | str, dict[str, Any]] = {
+    404: {"model": ErrorPublic, "description": "No such webhook"}
+}
 DEFAULT_DELIVERIES = 100
 MAX_DELIVERIES = 1000
 
@@ -158,7 +160,7 @@ def post_test_message(
     hook = _visible_webhook(session, principal, webhook_id)
     session.expunge(hook)
     session.rollback()  # no transaction held open across the POST
-    outcome = notify.send_test(hook, settings)
+    outcome = webhook_delivery.send_test(hook, settings)
     return WebhookTestResult(
         delivered=outcome.delivered, response_status=outcome.status, error=outcome.error
     )

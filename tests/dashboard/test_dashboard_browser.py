@@ -244,7 +244,7 @@ def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str, 
         [ids.HEATMAP_GRAPH, LAYERS.index(FROZEN)],
     )
     assert frozen == [1.0, 1.0, 1.0]  # the layer that stopped learning, drawn red
-    # Columns on evenly spaced bucket starts (`figures.bucket_grid`), so plotly.js paints a
+    # Columns on evenly spaced bucket starts (`heatmap_figures.bucket_grid`), so plotly.js paints a
     # pixel per cell rather than filling each on a full-size canvas.
     assert (
         page.evaluate(
@@ -281,9 +281,27 @@ def test_run_page_plots_real_data_a_fired_alert_and_the_restart(collector: str, 
     page.locator(f"#{ids.HEATMAP_GRAPH}").screenshot(path=str(SCREENSHOTS / "heatmap-flush.png"))
 
 
+def _answers_autosize(response: Any) -> bool:
+    """Whether `response` is the zoom callback's answer to the charts' own first relayout
+    (autosize, emitted after the first draw)."""
+    request = response.request.post_data_json or {}
+    return (
+        "_dash-update-component" in response.url
+        and request.get("output") == f"{ids.RUN_ZOOM}.data"
+        and any(
+            (i.get("id"), i.get("value")) == (ids.LOSS_SCALE_GRAPH, {"autosize": True})
+            for i in request.get("inputs", [])
+        )
+    )
+
+
 def test_zoom_refetches_finer_data_from_the_collector(collector: str, page: Any) -> None:
-    page.goto(f"{collector}/dashboard/run/1")
-    wait_for_graphs(page, *RUN_GRAPHS)
+    # Zoom only once the charts' autosize relayout is answered: Dash keeps only the latest
+    # of overlapping calls of one callback, and the autosize call, sent after the zoom's
+    # (as happens under load), would discard the zoom's answer with its no-update.
+    with page.expect_response(_answers_autosize, timeout=RENDER_TIMEOUT_MS):
+        page.goto(f"{collector}/dashboard/run/1")
+        wait_for_graphs(page, *RUN_GRAPHS)
     low, high = 4600, 4800
     before = points_in(page, ids.LOSS_SCALE_GRAPH, low, high)
     assert before < high - low  # downsampled: fewer points than steps

@@ -8,7 +8,13 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from ampwatch.dashboard import figures
+from ampwatch.dashboard import (
+    alert_figures,
+    compare_figures,
+    figure_common,
+    heatmap_figures,
+    step_figures,
+)
 from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
 
 
@@ -28,7 +34,7 @@ def series(steps_json: dict[str, Any]) -> StepSeries:
 
 
 def test_loss_scale_axis_is_log_with_power_of_two_ticks(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series)
+    figure = step_figures.loss_scale_figure(series)
     yaxis = figure.layout.yaxis
     assert yaxis.type == "log"
     assert yaxis.title.text == "loss scale (log2)"
@@ -40,7 +46,7 @@ def test_loss_scale_axis_is_log_with_power_of_two_ticks(series: StepSeries) -> N
 
 
 def test_loss_scale_has_dashed_line_at_one(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series)
+    figure = step_figures.loss_scale_figure(series)
     lines = [s for s in figure.layout.shapes if s.y0 == 1.0 and s.y1 == 1.0]
     assert len(lines) == 1
     assert lines[0].line.dash == "dash"
@@ -49,17 +55,17 @@ def test_loss_scale_has_dashed_line_at_one(series: StepSeries) -> None:
 
 def test_run_without_scaler_says_so_instead_of_empty_axes(steps_json: dict[str, Any]) -> None:
     no_scaler = StepSeries.from_json({**steps_json, "loss_scale": [None] * len(steps_json["step"])})
-    texts = [a.text for a in figures.loss_scale_figure(no_scaler).layout.annotations]
-    assert figures.NO_SCALER_MESSAGE in texts
+    texts = [a.text for a in step_figures.loss_scale_figure(no_scaler).layout.annotations]
+    assert step_figures.NO_SCALER_MESSAGE in texts
     texts = [
         a.text
-        for a in figures.loss_scale_figure(StepSeries.from_json(steps_json)).layout.annotations
+        for a in step_figures.loss_scale_figure(StepSeries.from_json(steps_json)).layout.annotations
     ]
-    assert figures.NO_SCALER_MESSAGE not in texts
+    assert step_figures.NO_SCALER_MESSAGE not in texts
 
 
 def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) -> None:
-    skipped = trace(figures.loss_scale_figure(series), "skipped step (2)")
+    skipped = trace(step_figures.loss_scale_figure(series), "skipped step (2)")
     assert list(skipped.x) == [3, 5]
     assert list(skipped.y) == [65536.0, 32768.0]
     assert skipped.mode == "markers" and skipped.marker.symbol == "x"
@@ -67,7 +73,7 @@ def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) ->
 
 
 def test_non_finite_loss_is_a_gap_and_a_marker(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series)
+    figure = step_figures.loss_scale_figure(series)
     loss = trace(figure, "loss")
     assert values(loss.y) == [2.5, 2.4, None, 2.2, None, 2.0]
     assert loss.yaxis == "y2"
@@ -79,7 +85,7 @@ def test_non_finite_loss_is_a_gap_and_a_marker(series: StepSeries) -> None:
 
 def test_no_non_finite_marker_trace_when_every_loss_is_finite() -> None:
     series = StepSeries.from_json({"step": [1, 2], "loss": [1.0, 0.9], "loss_scale": [2.0, 2.0]})
-    names = [t.name for t in figures.loss_scale_figure(series).data]
+    names = [t.name for t in step_figures.loss_scale_figure(series).data]
     assert names == ["loss scale", "skipped step (0)", "loss"]
 
 
@@ -87,7 +93,7 @@ def test_non_positive_or_non_finite_scale_is_a_gap_not_a_log_error() -> None:
     series = StepSeries.from_json(
         {"step": [1, 2, 3], "loss_scale": [4.0, "NaN", 0.0], "skipped": [False, True, True]}
     )
-    figure = figures.loss_scale_figure(series)
+    figure = step_figures.loss_scale_figure(series)
     assert values(trace(figure, "loss scale").y) == [4.0, None, None]
     # Skips whose scale is unknown still show, on the axis floor.
     low = 10 ** figure.layout.yaxis.range[0]
@@ -95,14 +101,14 @@ def test_non_positive_or_non_finite_scale_is_a_gap_not_a_log_error() -> None:
 
 
 def test_checkpoints_are_vertical_lines(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(series, checkpoints={4: ""})
+    figure = step_figures.loss_scale_figure(series, checkpoints={4: ""})
     verticals = [s for s in figure.layout.shapes if s.x0 == 4 and s.x1 == 4]
     assert len(verticals) == 1 and verticals[0].line.dash == "dot"
     assert [a.text for a in figure.layout.annotations] == ["ckpt"]
 
 
 def test_activation_norm_has_mean_and_max_with_gaps(series: StepSeries) -> None:
-    figure = figures.activation_norm_figure(series)
+    figure = step_figures.activation_norm_figure(series)
     assert values(trace(figure, "mean over tokens").y) == [7.9, 8.0, 8.1, None, 8.3, 8.4]
     assert values(trace(figure, "max over tokens").y) == [11.2, 11.0, 12.5, 13.0, 40.0, 12.0]
     assert figure.layout.yaxis.title.text == "activation L2 norm"
@@ -112,16 +118,16 @@ def test_activation_norm_has_mean_and_max_with_gaps(series: StepSeries) -> None:
 def test_activation_norm_shows_the_norm_before_the_final_norm_when_measured(
     series: StepSeries,
 ) -> None:
-    names = [t.name for t in figures.activation_norm_figure(series).data]
+    names = [t.name for t in step_figures.activation_norm_figure(series).data]
     assert "mean before the final norm" not in names  # not measured: no empty trace
     prenorm = [30.0, 31.0, None, 33.0, 90.0, 35.0]
     measured = replace(series, act_prenorm_mean=prenorm)
-    figure = figures.activation_norm_figure(measured)
+    figure = step_figures.activation_norm_figure(measured)
     assert values(trace(figure, "mean before the final norm").y) == prenorm
 
 
 def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, Any]) -> None:
-    figure = figures.layer_heatmap(LayerMatrix.from_json(layers_json))
+    figure = heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json))
     (heatmap,) = figure.data
     assert list(heatmap.y) == ["embed.weight", "blocks.0.mlp.fc1.weight", "head.weight"]
     assert list(heatmap.x) == [2, 4, 6]
@@ -131,7 +137,7 @@ def test_heatmap_is_layers_by_steps_and_carries_values(layers_json: dict[str, An
     assert z[1] == [0.1, None, 0.3]  # NaN is an empty cell
     assert z[2] == [1.0, 1.0, 1.0]
     assert (heatmap.zmin, heatmap.zmax) == (0.0, 1.0)
-    assert heatmap.colorscale[-1] == (1.0, figures.FROZEN_COLOR)  # frozen stands out
+    assert heatmap.colorscale[-1] == (1.0, figure_common.FROZEN_COLOR)  # frozen stands out
     assert figure.layout.yaxis.autorange == "reversed"  # first layer on top
 
 
@@ -140,16 +146,16 @@ def test_a_downsampled_heatmap_sits_on_even_bucket_starts(layers_json: dict[str,
     columns at 0, 500, 1,000, 1,500, the empty bucket an empty column, so plotly.js can
     paint a pixel per cell; the hover says what a cell holds."""
     matrix = LayerMatrix.from_json({**layers_json, "steps": [10, 500, 1520], "step_width": 500})
-    (heatmap,) = figures.layer_heatmap(matrix).data
+    (heatmap,) = heatmap_figures.layer_heatmap(matrix).data
     assert list(heatmap.x) == [0, 500, 1000, 1500]
     z = [values(row) for row in heatmap.z.astype(float).round(4)]
     assert z[0] == [0.01, 0.02, None, 0.03] and z[2] == [1.0, 1.0, None, 1.0]
     assert "500 steps from %{x} (their maximum)" in heatmap.hovertemplate
-    exact = figures.layer_heatmap(LayerMatrix.from_json(layers_json)).data[0]
+    exact = heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json)).data[0]
     assert "<br>step %{x}<br>" in exact.hovertemplate
     # A run resumed far ahead: its grid would be mostly empty, so rows keep their steps.
     far = LayerMatrix.from_json({**layers_json, "steps": [10, 500, 50_000_000], "step_width": 500})
-    assert list(figures.layer_heatmap(far).data[0].x) == [10, 500, 50_000_000]
+    assert list(heatmap_figures.layer_heatmap(far).data[0].x) == [10, 500, 50_000_000]
 
 
 def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
@@ -157,12 +163,12 @@ def test_a_tall_heatmap_labels_at_most_fifty_rows_and_keeps_every_row() -> None:
     matrix = LayerMatrix.from_json(
         {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0] * 200]}
     )
-    figure = figures.layer_heatmap(matrix)
+    figure = heatmap_figures.layer_heatmap(matrix)
     assert list(figure.data[0].y) == layers  # hover names every row
     ticks = list(figure.layout.yaxis.tickvals)
     assert len(ticks) == 50 and ticks[:2] == ["blocks.0.weight", "blocks.4.weight"]
     assert list(figure.layout.yaxis.ticktext) == ticks
-    short = figures.layer_heatmap(
+    short = heatmap_figures.layer_heatmap(
         LayerMatrix.from_json(
             {"stat": "zero_fraction", "layers": layers[:3], "steps": [1], "values": [[0.0] * 3]}
         )
@@ -175,18 +181,18 @@ def test_row_labels_are_cut_from_the_left_and_the_margin_fits_them() -> None:
     names, and a name too long for it keeps its distinguishing end."""
     long = "model.decoder.layers.23.self_attn.out_proj." + "x" * 40 + ".weight"
     layers = ["fc1.weight", long]
-    figure = figures.layer_heatmap(
+    figure = heatmap_figures.layer_heatmap(
         LayerMatrix.from_json(
             {"stat": "zero_fraction", "layers": layers, "steps": [1], "values": [[0.0, 0.0]]}
         )
     )
     text = list(figure.layout.yaxis.ticktext)
     assert text[0] == "fc1.weight"
-    assert len(text[1]) == figures.LABEL_CHARS and text[1].startswith("…")
+    assert len(text[1]) == heatmap_figures.LABEL_CHARS and text[1].startswith("…")
     assert text[1].endswith("x.weight") and long.endswith(text[1][1:])
-    assert figure.layout.margin.l == 20 + figures.CHAR_PX * figures.LABEL_CHARS
+    assert figure.layout.margin.l == 20 + heatmap_figures.CHAR_PX * heatmap_figures.LABEL_CHARS
     assert list(figure.data[0].y) == layers  # hover keeps the full name
-    assert figures.label_margin(["a"]) == 70  # never narrower than the step charts'
+    assert heatmap_figures.label_margin(["a"]) == 70  # never narrower than the step charts'
     assert not figure.layout.template.layout.yaxis.automargin
 
 
@@ -199,16 +205,16 @@ def test_heatmap_tolerates_short_rows() -> None:
             "values": [[0.5], [0.1, 0.2]],
         }
     )
-    (heatmap,) = figures.layer_heatmap(matrix).data
+    (heatmap,) = heatmap_figures.layer_heatmap(matrix).data
     assert [values(row) for row in heatmap.z.astype(float).round(4)] == [[0.5, 0.1], [None, 0.2]]
 
 
 @pytest.mark.parametrize(
     "figure",
     [
-        figures.loss_scale_figure(StepSeries.from_json({})),
-        figures.activation_norm_figure(StepSeries.from_json({"step": [1], "loss": [1.0]})),
-        figures.layer_heatmap(LayerMatrix.from_json({"stat": "zero_fraction"})),
+        step_figures.loss_scale_figure(StepSeries.from_json({})),
+        step_figures.activation_norm_figure(StepSeries.from_json({"step": [1], "loss": [1.0]})),
+        heatmap_figures.layer_heatmap(LayerMatrix.from_json({"stat": "zero_fraction"})),
     ],
 )
 def test_missing_data_explains_itself(figure: go.Figure) -> None:
@@ -218,11 +224,11 @@ def test_missing_data_explains_itself(figure: go.Figure) -> None:
 
 def test_refreshes_keep_the_users_zoom(series: StepSeries, layers_json: dict[str, Any]) -> None:
     for figure in (
-        figures.loss_scale_figure(series),
-        figures.activation_norm_figure(series),
-        figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
+        step_figures.loss_scale_figure(series),
+        step_figures.activation_norm_figure(series),
+        heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
-        assert figure.layout.uirevision == figures.UI_REVISION
+        assert figure.layout.uirevision == figure_common.UI_REVISION
 
 
 def test_figures_serialise_without_bare_nan(
@@ -230,17 +236,17 @@ def test_figures_serialise_without_bare_nan(
 ) -> None:
     """Browsers reject NaN in JSON; every figure must be strict JSON."""
     for figure in (
-        figures.loss_scale_figure(series),
-        figures.activation_norm_figure(series),
-        figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
+        step_figures.loss_scale_figure(series),
+        step_figures.activation_norm_figure(series),
+        heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
         json.loads(figure.to_json(), parse_constant=lambda name: pytest.fail(name))
 
 
 def test_log2_ticks_thin_out_over_a_wide_range() -> None:
-    values, labels = figures.log2_ticks(2.0**-10, 2.0**32)
-    assert len(values) <= figures.MAX_LOG2_TICKS
-    assert 2.0**-10 <= values[0] and values[-1] <= 2.0**32
+    values, labels = figure_common.log2_ticks(2.0**-10, 2.0**32)
+    assert len(values) <= figure_common.MAX_LOG2_TICKS
+    assert values[0] >= 2.0**-10 and values[-1] <= 2.0**32
     assert 1.0 in values
     assert labels[values.index(1.0)] == "2<sup>0</sup>"
 
@@ -257,16 +263,16 @@ def test_log2_ticks_thin_out_over_a_wide_range() -> None:
     ],
 )
 def test_format_loss_scale(value: float | None, text: str) -> None:
-    assert figures.format_loss_scale(value) == text
+    assert figure_common.format_loss_scale(value) == text
 
 
 def test_format_time_is_utc_to_the_second() -> None:
-    assert figures.format_time("2026-11-29T10:30:05.5+01:00") == "2026-11-29 09:30:05 UTC"
-    assert figures.format_time("yesterday") == "yesterday"
+    assert figure_common.format_time("2026-11-29T10:30:05.5+01:00") == "2026-11-29 09:30:05 UTC"
+    assert figure_common.format_time("yesterday") == "yesterday"
 
 
 def test_checkpoint_verdicts_mark_the_recommended_restart(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(
+    figure = step_figures.loss_scale_figure(
         series, checkpoints={2: "healthy", 4: "recommended", 6: "rejected"}
     )
     verticals = {s.x0: s for s in figure.layout.shapes if s.type == "line" and s.x0 == s.x1}
@@ -297,7 +303,7 @@ def alert(**fields: Any) -> Alert:
 
 
 def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None:
-    figure = figures.loss_scale_figure(
+    figure = step_figures.loss_scale_figure(
         series,
         alerts=[
             alert(),
@@ -306,29 +312,29 @@ def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None
     )
     (rect,) = [s for s in figure.layout.shapes if s.type == "rect"]
     assert (rect.x0, rect.x1) == (4, 6)  # fired at 4, still firing at the last step
-    assert rect.fillcolor == figures.SEVERITY_COLORS["critical"]
+    assert rect.fillcolor == figure_common.SEVERITY_COLORS["critical"]
 
 
 def test_zoomed_figures_pin_the_step_axis(series: StepSeries) -> None:
     for figure in (
-        figures.loss_scale_figure(series, x_range=(2, 5)),
-        figures.skip_rate_figure(series, x_range=(2, 5)),
-        figures.grad_norm_figure(series, x_range=(2, 5)),
-        figures.activation_norm_figure(series, x_range=(2, 5)),
+        step_figures.loss_scale_figure(series, x_range=(2, 5)),
+        step_figures.skip_rate_figure(series, x_range=(2, 5)),
+        step_figures.grad_norm_figure(series, x_range=(2, 5)),
+        step_figures.activation_norm_figure(series, x_range=(2, 5)),
     ):
         assert tuple(figure.layout.xaxis.range) == (2, 5)
         assert figure.layout.xaxis.autorange is False
-    assert figures.loss_scale_figure(series).layout.xaxis.range is None
+    assert step_figures.loss_scale_figure(series).layout.xaxis.range is None
 
 
 def test_skip_rate_counts_skips_per_window() -> None:
     series = StepSeries.from_json(
         {"step": list(range(1, 11)), "skipped": [s in (3, 4, 9) for s in range(1, 11)]}
     )
-    starts, rates = figures.skip_rates(series, buckets=2)
+    starts, rates = step_figures.skip_rates(series, buckets=2)
     assert starts == [0, 5, 10]
     assert rates == [2 / 4, 1 / 5, 0.0]  # window 0..4 holds steps 1..4 only
-    bars = figures.skip_rate_figure(series).data[0]
+    bars = step_figures.skip_rate_figure(series).data[0]
     assert bars.type == "bar" and sum(bars.y) > 0
 
 
@@ -342,12 +348,12 @@ def test_skip_rate_uses_the_collectors_skip_counts_when_downsampled() -> None:
             "bucket_width": 64,
         }
     )
-    starts, rates = figures.skip_rates(series, buckets=2)
+    starts, rates = step_figures.skip_rates(series, buckets=2)
     assert starts == [0, 64] and rates == [5 / 64, 0.0]
 
 
 def test_grad_norm_is_log_with_gaps_for_non_finite(series: StepSeries) -> None:
-    figure = figures.grad_norm_figure(series)
+    figure = step_figures.grad_norm_figure(series)
     assert figure.layout.yaxis.type == "log"
     assert values(figure.data[0].y) == [1.0, 0.9, None, 0.8, None, 0.7]
     assert len(figure.data) == 1  # the loop did not clip: no second trace
@@ -357,7 +363,7 @@ def test_grad_norm_after_clipping_is_a_second_trace(steps_json: dict[str, Any]) 
     series = StepSeries.from_json(
         {**steps_json, "grad_norm_clipped": [1.0, 0.9, "NaN", 0.8, None, 0.5]}
     )
-    figure = figures.grad_norm_figure(series)
+    figure = step_figures.grad_norm_figure(series)
     assert [trace.name for trace in figure.data] == [
         "grad norm (unscaled, before clipping)",
         "after clipping",
@@ -367,7 +373,7 @@ def test_grad_norm_after_clipping_is_a_second_trace(steps_json: dict[str, Any]) 
 
 def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
     norms = [10.0 + 0.1 * (i % 5) for i in range(100)] + [60.0]
-    low, high = figures.baseline_band(norms)
+    low, high = step_figures.baseline_band(norms)
     assert math.isnan(low[0]) and math.isnan(high[7])  # fewer than 8 values before
     assert low[50] <= norms[50] < high[50]
     assert norms[-1] > high[-1] * 3  # the spike is judged against what came before
@@ -382,7 +388,7 @@ def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
     ],
 )
 def test_heatmap_names_its_statistic(layers_json: dict[str, Any], stat: str, title: str) -> None:
-    figure = figures.layer_heatmap(LayerMatrix.from_json({**layers_json, "stat": stat}))
+    figure = heatmap_figures.layer_heatmap(LayerMatrix.from_json({**layers_json, "stat": stat}))
     assert figure.layout.title.text == title
     assert "click a row" in figure.layout.title.subtitle.text
 
@@ -409,7 +415,7 @@ def test_alerts_timeline_draws_each_alert_over_its_steps() -> None:
             fired_step=None,
         ),
     ]
-    figure = figures.alerts_timeline_figure(alerts, last_step=10)
+    figure = alert_figures.alerts_timeline_figure(alerts, last_step=10)
     critical = trace(figure, "critical")
     assert list(critical.base) == [3] and list(critical.x) == [7]  # 3 → still firing at 10
     warning = trace(figure, "warning")
@@ -428,7 +434,7 @@ def test_alerts_timeline_draws_each_alert_over_its_steps() -> None:
     ],
 )
 def test_alerts_timeline_says_why_it_is_empty(alerts: Any, text: str) -> None:
-    figure = figures.alerts_timeline_figure(alerts, last_step=10)
+    figure = alert_figures.alerts_timeline_figure(alerts, last_step=10)
     assert figure.layout.annotations[0].text == text and not figure.data
 
 
@@ -441,7 +447,7 @@ def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
             "act_norm_max": [1, 2, 3],
         }
     )
-    figure = figures.compare_figure([("a", series), ("b", other)])
+    figure = compare_figures.compare_figure([("a", series), ("b", other)])
     assert [t.name for t in figure.data] == ["a"] * 3 + ["b"] * 3
     assert [t.showlegend for t in figure.data] == [True, False, False] * 2
     assert [t.yaxis for t in figure.data[:3]] == ["y", "y2", "y3"]
@@ -450,4 +456,4 @@ def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
     assert 10 ** figure.layout.yaxis2.range[0] <= 0.125  # both runs' scales in range
     (one,) = figure.layout.shapes
     assert (one.y0, one.yref) == (1.0, "y2")
-    assert "Pick two" in figures.compare_figure([]).layout.annotations[0].text
+    assert "Pick two" in compare_figures.compare_figure([]).layout.annotations[0].text

@@ -18,7 +18,7 @@ from typing import Any
 import plotly.graph_objects as go
 import pytest
 
-from ampwatch.dashboard import figures, layer_figures, plotly_bundle
+from ampwatch.dashboard import compare_figures, layer_figures, plotly_bundle
 from ampwatch.dashboard.app import BUNDLE_ROUTE, create_dash_app
 from ampwatch.dashboard.client import CollectorClient, LayerHistograms, StepSeries
 from ampwatch.dashboard.pages.run import fetch_run_data, render_run
@@ -152,7 +152,7 @@ def test_every_trace_the_pages_draw_is_one_the_cartesian_bundle_has(
     ]
     hists = LayerHistograms(layer="head.weight", steps=[10], offsets=[100], counts=[[1, 2]])
     built += [
-        figures.compare_figure([("a", StepSeries.from_json(steps_json))]),
+        compare_figures.compare_figure([("a", StepSeries.from_json(steps_json))]),
         layer_figures.exponent_histogram_figure(hists, [1024.0]),
     ]
     types = {trace.type for figure in built for trace in figure.data}

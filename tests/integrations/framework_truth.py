@@ -84,7 +84,7 @@ def assert_matches(stored: dict[str, Any], truth: Truth, *, rel: float = 1e-5) -
         # A layer the truth has no gradient of at this step (a Linear of another optimizer,
         # known to the run through its FP8 readiness records) has no zero fraction: null.
         measured = truth.zero_fraction[step]
-        stored_row = {name: value for name, value in zip(layers["layers"], row, strict=True)}
+        stored_row = dict(zip(layers["layers"], row, strict=True))
         assert {n for n, v in stored_row.items() if v is not None} == set(measured), step
         expected = {name: stored_row[name] for name in measured}
         assert expected == pytest.approx(measured, abs=1e-12), f"zero fractions at step {step}"

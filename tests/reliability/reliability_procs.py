@@ -22,7 +22,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import httpx
 from sqlalchemy import func, select
@@ -30,6 +30,9 @@ from sqlalchemy import func, select
 from ampwatch.server.db import make_engine
 from ampwatch.server.models import Base
 from ampwatch.server.serving import bind_socket
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 #: name -> list of "figure" lines, printed by `pytest_terminal_summary`.
 FIGURES: dict[str, list[str]] = {}
@@ -243,14 +246,14 @@ class FaultProxy:
                 self.wfile.write(data)
                 upstream.close()
 
-            do_GET = do_POST = _forward  # noqa: N815
+            do_GET = do_POST = _forward
 
         self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
 
-    def __enter__(self) -> FaultProxy:
+    def __enter__(self) -> Self:
         self.thread.start()
         return self
 

@@ -13,6 +13,7 @@ import copy
 import gzip
 import json
 import os
+import sys
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager
 from typing import Any
@@ -20,6 +21,9 @@ from typing import Any
 import httpx
 import pytest
 from reliability_procs import RowCounter, record_figure
+
+if sys.version_info < (3, 11):  # pytest installs the backport there
+    from exceptiongroup import BaseExceptionGroup
 
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS, STEP_FLOAT_FIELDS, WIRE_VERSION
 from ampwatch.server import auth
@@ -76,7 +80,7 @@ def valid_batch(client_run_id: str, project: str = "vision", seq: int = 0) -> di
         "stream": "f022",
         "seq": seq,
         "steps": [
-            {"step": s, "rank": 0, "skipped": False, **{f: 1.5 for f in STEP_FLOAT_FIELDS}}
+            {"step": s, "rank": 0, "skipped": False, **dict.fromkeys(STEP_FLOAT_FIELDS, 1.5)}
             for s in range(1, 4)
         ],
         "layer_stats": [
@@ -139,10 +143,13 @@ def test_schemathesis_every_operation_no_5xx_no_schema_violation(world: World, w
                 phases=[Phase.explicit, Phase.generate],
                 suppress_health_check=list(HealthCheck),
             )
+            # call() runs (and ends) within this iteration: the loop variables it reads are this
+            # iteration's.
             @given(case=operation.as_strategy(generation_mode=mode))
             def call(case: Any) -> None:
-                tried[operation.label] = tried.get(operation.label, 0) + 1
-                if "run_id" in (case.path_parameters or {}) and tried[operation.label] % 2:
+                label = operation.label  # noqa: B023 - called within the iteration
+                tried[label] = tried.get(label, 0) + 1
+                if "run_id" in (case.path_parameters or {}) and tried[label] % 2:
                     case.path_parameters["run_id"] = world.runs["nlp"]  # a real, foreign run
                 # The token under test replaces any Authorization the case generated.
                 case.headers = {
@@ -152,7 +159,7 @@ def test_schemathesis_every_operation_no_5xx_no_schema_violation(world: World, w
                 try:
                     case.call_and_validate(base_url=world.url, checks=checks, timeout=30)
                 except (Exception, BaseExceptionGroup) as error:  # noqa: BLE001 - report all
-                    failures.append(f"{operation.label} [{mode}]: {str(error)[:800]}")
+                    failures.append(f"{label} [{mode}]: {str(error)[:800]}")  # noqa: B023
 
             try:
                 call()

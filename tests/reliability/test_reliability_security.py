@@ -353,7 +353,7 @@ def _dash_request(dependency: dict[str, Any]) -> dict[str, Any] | None:
     if "{" in output:
         return None  # pattern-matching ids: skip
     if output.startswith(".."):
-        parts = [p for p in output.strip(".").split("...")]
+        parts = list(output.strip(".").split("..."))
     else:
         parts = [output]
     outputs = [dict(zip(("id", "property"), part.rsplit(".", 1), strict=True)) for part in parts]

@@ -513,10 +513,11 @@ def _first_steady_skip(obs: Observed) -> int | None:
 
 
 def check_transient(obs: Observed, label: Label) -> list[str]:
-    problems = []
-    for step in TRANSIENT_STEPS:
-        if not obs.steps["skipped"][step - 1]:
-            problems.append(f"the injected overflow at step {step} was not skipped")
+    problems = [
+        f"the injected overflow at step {step} was not skipped"
+        for step in TRANSIENT_STEPS
+        if not obs.steps["skipped"][step - 1]
+    ]
     steady = _skips(obs, 31)
     if steady > len(TRANSIENT_STEPS) + 2:
         problems.append(f"{steady} skips after warm-up; expected ~{len(TRANSIENT_STEPS)}")
@@ -540,9 +541,11 @@ def check_nan(obs: Observed, label: Label) -> list[str]:
     nan_at = {i + 1 for i, v in enumerate(losses) if math.isnan(v)}
     if nan_at != set(NAN_STEPS):
         problems.append(f"NaN losses at {sorted(nan_at)}, injected at {sorted(NAN_STEPS)}")
-    for step in NAN_STEPS:
-        if not obs.steps["skipped"][step - 1]:
-            problems.append(f"the NaN step {step} was not skipped")
+    problems.extend(
+        f"the NaN step {step} was not skipped"
+        for step in NAN_STEPS
+        if not obs.steps["skipped"][step - 1]
+    )
     if label.collapse_step is not None:
         problems.append(f"scale fell below 1.0 at step {label.collapse_step}")
     return problems

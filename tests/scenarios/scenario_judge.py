@@ -30,7 +30,7 @@ class Outcome:
     label: Label
     obs: Observed
     signal_problems: list[str]
-    alerts: list[dict[str, Any]] | None = None  # None: the alerts endpoint does not exist
+    alerts: list[dict[str, Any]] | None = None  # None until read (`read_alerts`)
     advisor: dict[str, Any] | None = None  # None: the restart-candidates endpoint does not
     train_seconds: float = 0.0
     problems: list[str] = field(default_factory=list)  # alert/advisor expectations missed
@@ -88,32 +88,29 @@ def _fired_step(alert: dict[str, Any]) -> int | None:
     return None if step is None else int(step)
 
 
-def _get_optional(api: httpx.Client, path: str) -> Any | None:
-    """JSON of `path`, or None when the route does not exist (the run itself exists)."""
+def _get_json(api: httpx.Client, path: str) -> Any:
+    """JSON of `path`; any error answer fails the scenario (a missing alerts route too:
+    the engine is what the scenarios judge)."""
     response = api.get(path)
-    if response.status_code == 404 and response.json().get("detail") == "Not Found":
-        return None
     response.raise_for_status()
     return response.json()
 
 
 def read_alerts(
     api: httpx.Client, run_id: str, settle: float = 0.5, timeout: float = 10.0
-) -> list[dict[str, Any]] | None:
+) -> list[dict[str, Any]]:
     """The run's alerts once two reads `settle` seconds apart agree (an engine evaluating
     on a background worker may still be catching up with the last batch)."""
     path = f"/api/v1/runs/{run_id}/alerts"
-    previous = _get_optional(api, path)
-    if previous is None:
-        return None
+    previous = _get_json(api, path)
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         time.sleep(settle)
-        current = _get_optional(api, path)
+        current = _get_json(api, path)
         if current == previous:
             break
         previous = current
-    return list(previous["alerts"]) if previous else None
+    return list(previous["alerts"])
 
 
 def run_scenario(scenario: Scenario, url: str, workdir: Path) -> Outcome:
@@ -129,17 +126,14 @@ def run_scenario(scenario: Scenario, url: str, workdir: Path) -> Outcome:
             scenario, label, obs, scenario.check_signals(obs, label), train_seconds=seconds
         )
         outcome.alerts = read_alerts(api, obs.run_id)
-        if outcome.alerts is not None:
-            outcome.advisor = _get_optional(api, f"/api/v1/runs/{obs.run_id}/restart-candidates")
+        outcome.advisor = _get_json(api, f"/api/v1/runs/{obs.run_id}/restart-candidates")
     outcome.problems = judge(outcome)
     return outcome
 
 
 def judge(o: Outcome) -> list[str]:
-    """Every expectation of the label the alerts and the advisor missed (empty when the
-    engine is absent: nothing to judge)."""
-    if o.alerts is None:
-        return []
+    """Every expectation of the label the alerts and the advisor missed."""
+    assert o.alerts is not None, "judge an outcome after its alerts are read"
     label = o.label
     problems = []
     fired = o.fired_rules
@@ -149,11 +143,12 @@ def judge(o: Outcome) -> list[str]:
         details = [_describe(a) for a in o.fired if a["rule"] in forbidden]
         problems.append(f"forbidden alerts fired: {details}")
     allowed = label.must_fire | label.may_fire
-    for a in o.fired:
-        if a["severity"] in label.must_not_fire_severity and a["rule"] not in allowed | (
-            label.must_not_fire & fired  # already reported above
-        ):
-            problems.append(f"unexpected {a['severity']} alert: {_describe(a)}")
+    reported = label.must_not_fire & fired  # already reported above
+    problems.extend(
+        f"unexpected {a['severity']} alert: {_describe(a)}"
+        for a in o.fired
+        if a["severity"] in label.must_not_fire_severity and a["rule"] not in allowed | reported
+    )
     if label.collapse_before_floor:
         step = o.collapse_alert_step()
         if label.collapse_step is None:

@@ -76,7 +76,7 @@ def test_the_peer_rules_fire_where_their_definitions_say() -> None:
     from real_logs import Step, lightning_spike, megatron_spiky_loss, olmo_core_spike
 
     flat = [Step(i, loss=2.0 + 0.01 * (i % 3)) for i in range(1, 200)]
-    spiked = flat + [Step(200, loss=25.0)]
+    spiked = [*flat, Step(200, loss=25.0)]
     assert megatron_spiky_loss(flat) == [] and megatron_spiky_loss(spiked) == [200]
     assert olmo_core_spike(flat) == [] and olmo_core_spike(spiked) == [200]
     assert lightning_spike(spiked)[-1] == 200 and 200 - 1 not in lightning_spike(spiked)

@@ -14,7 +14,7 @@ from wire_batches import make_batch, step_record
 from ampwatch.agent.wire import LayerStatsRecord, StepRecord, encode_floats
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.models import Alert, AlertState, Notification, Run, utcnow
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas.wire import BatchIn
 
 T0 = datetime(2026, 1, 1, tzinfo=utcnow().tzinfo)
 

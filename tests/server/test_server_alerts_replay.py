@@ -64,7 +64,7 @@ def layer_samples(first: int, rng: np.random.Generator) -> list[Any]:
     for step in range(first, first + PER_BATCH, 20):
         zero = {name: float(np.clip(rng.normal(0.01, 0.003), 0, 1)) for name in LAYERS}
         zero["embed.weight"] = float(rng.normal(0.7, 0.03))
-        flush = {name: 0.001 for name in LAYERS}
+        flush = dict.fromkeys(LAYERS, 0.001)
         samples.append(layer_sample(step, zero, extra={"flush_fraction": flush}))
     return samples
 

@@ -80,9 +80,9 @@ def test_scale_below_minimum_fires_even_without_skips(feed: Feed) -> None:
 
 
 def test_skip_rate_fires_at_ten_percent_and_not_at_a_healthy_rate(feed: Feed) -> None:
-    feed.send_steps(healthy(1, 1000, skips={s: 4096.0 for s in range(100, 1000, 500)}))
+    feed.send_steps(healthy(1, 1000, skips=dict.fromkeys(range(100, 1000, 500), 4096.0)))
     assert feed.alerts() == []
-    feed.send_steps(healthy(1000, 500, skips={s: 4096.0 for s in range(1000, 1500, 10)}))
+    feed.send_steps(healthy(1000, 500, skips=dict.fromkeys(range(1000, 1500, 10), 4096.0)))
     (alert,) = feed.alerts(rule="skip_rate")
     assert (alert.severity, alert.status) == ("warning", "firing")
     assert alert.values["fraction"] > 0.05
@@ -151,7 +151,7 @@ def test_a_nan_batch_is_nan_loss_not_an_activation_spike(feed: Feed) -> None:
     feed.send_steps(healthy(1, 149))
     nan = step_record(150, skipped=True, loss=math.nan, loss_scale=1048576.0,
                       act_norm_mean=math.nan, act_norm_max=math.nan)  # fmt: skip
-    feed.send([nan] + healthy(151, 99, scale=524288.0))
+    feed.send([nan, *healthy(151, 99, scale=524288.0)])
     assert {a.rule for a in feed.alerts()} == {"nan_loss"}
 
 
@@ -213,7 +213,7 @@ def test_a_tensor_all_zero_from_its_first_sample_is_frozen(feed: Feed) -> None:
 def test_zeros_explained_by_skipped_steps_do_not_fire(feed: Feed) -> None:
     feed_layers(feed, 100, 600)
     for start in range(600, 800, 100):  # every sampled step is a skipped one
-        skips = {s: 4096.0 for s in range(start, start + 100, 20)}
+        skips = dict.fromkeys(range(start, start + 100, 20), 4096.0)
         samples = [layer_sample(s, zero_fractions(s, fc1=0.9)) for s in skips]
         feed.send(healthy(start, 100, skips=skips), samples)
     assert feed.alerts(rule="silent_underflow") == []
@@ -310,7 +310,7 @@ def test_without_a_reported_floor_a_new_process_falls_back_to_min_scale(feed: Fe
 def test_nan_loss_is_split_from_gradient_overflow(feed: Feed) -> None:
     feed.send_steps(healthy(1, 199, skips={150: 2048.0}))  # an overflow skip, finite loss
     assert feed.alerts(rule="nan_loss") == []
-    feed.send([step_record(200, skipped=True, loss=math.nan, loss_scale=2048.0)] + healthy(201, 99))
+    feed.send([step_record(200, skipped=True, loss=math.nan, loss_scale=2048.0), *healthy(201, 99)])
     (alert,) = feed.alerts(rule="nan_loss")
     assert (alert.status, alert.started_step, alert.values["loss"]) == ("firing", 200, "nan")
     feed.send_steps(healthy(300, 100))

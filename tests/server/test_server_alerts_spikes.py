@@ -12,7 +12,7 @@ def test_loss_spike_fires_on_a_jump_and_not_on_noise(feed: Feed) -> None:
              for s in range(1, 400)]  # fmt: skip
     feed.send_steps(noisy)
     assert feed.alerts() == []  # +-0.4 around 3: ordinary noise
-    feed.send([step_record(400, loss=7.3, loss_scale=4096.0)] + healthy(401, 5, loss=3.0))
+    feed.send([step_record(400, loss=7.3, loss_scale=4096.0), *healthy(401, 5, loss=3.0)])
     (alert,) = feed.alerts(rule="loss_spike")
     assert (alert.severity, alert.fired_step) == ("warning", 400)
     assert alert.values["ratio"] > 2 and "its rolling median 3" in alert.message
@@ -69,7 +69,7 @@ def test_overflows_each_cured_by_a_halving_are_not_a_burst_but_three_in_a_row_ar
 
 def test_a_stable_low_scale_is_not_a_collapse_but_a_falling_one_is(feed: Feed) -> None:
     # fairseq at 0.5 for a long time, one overflow per "epoch" (halving to 0.25, regrowth).
-    records = healthy(1, 3000, scale=0.5, skips={s: 0.5 for s in range(500, 3000, 700)})
+    records = healthy(1, 3000, scale=0.5, skips=dict.fromkeys(range(500, 3000, 700), 0.5))
     feed.send_steps(records)
     assert feed.alerts() == []
     falling = [step_record(3001 + i, skipped=True, loss=2.0, loss_scale=0.5 / 2**i)

@@ -26,7 +26,7 @@ from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS, age_layer_stats
 from ampwatch.server.models import LayerRollup, LayerStat, Run
 from ampwatch.server.packed import unpack_matrix
-from ampwatch.server.schemas import BatchIn
+from ampwatch.server.schemas.wire import BatchIn
 
 NAMES = ("a.weight", "b.weight", "c.weight", "d.weight")
 STATS = ("zero_fraction", "max_abs_scaled")

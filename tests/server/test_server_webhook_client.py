@@ -17,8 +17,9 @@ import httpx
 import pytest
 from webhook_receiver import WebhookReceiver
 
-from ampwatch.server.notify import Message, post, slack_body
 from ampwatch.server.webhook_client import MAX_RESPONSE_BYTES, refusal, webhook_client
+from ampwatch.server.webhook_delivery import post
+from ampwatch.server.webhook_formats import Message, slack_body
 
 LOOPBACK = [ipaddress.ip_network("127.0.0.1/32")]
 ADMIN = "admin-secret-for-webhook-tests"

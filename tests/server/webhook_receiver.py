@@ -15,7 +15,10 @@ import threading
 import time
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from types import TracebackType
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing.Self is Python 3.11+
+    from typing_extensions import Self
 
 
 class WebhookReceiver:
@@ -84,7 +87,7 @@ class WebhookReceiver:
             time.sleep(0.02)
         return self.bodies(path)
 
-    def __enter__(self) -> WebhookReceiver:
+    def __enter__(self) -> Self:
         self._thread.start()
         return self
 

@@ -1,10 +1,10 @@
-"""Alert notifications: the outbox (`enqueue`, inside the ingest transaction) and its
-delivery worker (`DeliveryWorker`, a background thread of each collector process).
+"""Alert notifications' delivery: a worker thread in each collector process
+(`DeliveryWorker`) that POSTs what the outbox (`ampwatch.server.outbox`) queued.
 
-Delivery happens later, from the worker, so a slow or failing webhook never slows ingest
-and a transition is never lost: it is committed with the alert it announces. Each round
-the worker (1) runs the alert engine's periodic sweep (`ampwatch.server.alerts.sweep`, the
-no_data rule), then (2) claims due notifications and POSTs them, several at a time.
+Delivery happens later, from the worker, so a slow or failing webhook never slows ingest.
+Each round the worker (1) runs the alert engine's periodic sweep
+(`ampwatch.server.alerts.sweep`, the no_data rule), then (2) claims due notifications and
+POSTs them, several at a time, with bodies from `ampwatch.server.webhook_formats`.
 
 Claiming is a short transaction that moves the row's `next_attempt_at` one lease ahead and
 counts the attempt; the POST happens after it commits, and a second short transaction
@@ -13,17 +13,6 @@ would stall ingest for as long as a webhook hangs. On PostgreSQL the claim reads
 `FOR UPDATE SKIP LOCKED`, so collector workers sharing the database claim disjoint rows
 without waiting for each other; a worker that dies mid-POST leaves its claim to expire
 (`lease`) and another worker retries it.
-
-Bodies (`slack_body`, `generic_body`):
-
-- `slack`: a Slack incoming-webhook message: `text` (complete on its own, for chat tools
-  that ignore blocks) plus `blocks` (header, fields, message, link to the run page).
-- `generic`: `{"version": 1, "kind": "alert" | "test", "notification_id" (the same on
-  every retry: receivers deduplicate on it), "attempt" (1, 2, ...), "transition":
-  "firing" | "resolved", "alert": {id, rule, layer, severity, status, started_step,
-  fired_step, resolved_step, started_at, fired_at, resolved_at, message, values}, "run":
-  {id, client_run_id, name, project, url}, "project", "sent_at"}`; times ISO 8601 UTC,
-  non-finite floats in `values` in the wire encoding ("NaN", "Infinity").
 
 >>> worker = DeliveryWorker(sessions, settings).start()  # doctest: +SKIP
 >>> worker.stop()  # doctest: +SKIP
@@ -41,244 +30,25 @@ from datetime import datetime, timedelta
 from typing import Any, Literal
 
 import httpx
-from sqlalchemy import exists, or_, select, update
+from sqlalchemy import exists, select, update
 from sqlalchemy.orm import Session, aliased, sessionmaker
 
 from ampwatch.agent.retry import retry_delay
+from ampwatch.server.alerts import sweep as alert_sweep
 from ampwatch.server.db import begin_write
-from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook, utcnow
+from ampwatch.server.models import Alert, Notification, Run, Webhook, utcnow
 from ampwatch.server.settings import Settings
 from ampwatch.server.webhook_client import read_capped, webhook_client
+from ampwatch.server.webhook_formats import alert_message, render, sample_message
 
 logger = logging.getLogger(__name__)
 
-Transition = Literal["firing", "resolved"]
-
 #: Longest wait between two attempts of one notification, whatever the attempt number.
 RETRY_CAP_SECONDS = 15 * 60.0
+
 #: Notifications claimed per worker round, and POSTs in flight at once.
 CLAIM_BATCH = 32
 PARALLEL_POSTS = 8
-GENERIC_VERSION = 1
-_SEVERITY_ICONS = {
-    "info": ":information_source:",
-    "warning": ":warning:",
-    "critical": ":rotating_light:",
-}
-
-
-def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
-    """Queue one notification of `alert`'s `transition` per enabled webhook that wants it
-    (its project's or a global one, at or above its minimum severity); returns how many.
-
-    Call inside the transaction that changed the alert; the caller commits."""
-    project = session.scalar(select(Run.project).where(Run.id == alert.run_id))
-    wanted = SEVERITIES[: SEVERITIES.index(alert.severity) + 1]
-    hooks = session.scalars(
-        select(Webhook.id).where(
-            Webhook.enabled.is_(True),
-            or_(Webhook.project.is_(None), Webhook.project == project),
-            Webhook.min_severity.in_(wanted),
-        )
-    ).all()
-    now = utcnow()
-    session.add_all(
-        Notification(
-            alert_id=alert.id,
-            webhook_id=hook,
-            transition=transition,
-            status="pending",
-            attempts=0,
-            next_attempt_at=now,
-            created_at=now,
-        )
-        for hook in hooks
-    )
-    return len(hooks)
-
-
-# --- bodies -------------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class Message:
-    """Everything a body is made of, read while the notification is claimed."""
-
-    notification_id: int | None
-    kind: Literal["alert", "test"]
-    transition: str
-    alert: dict[str, Any]
-    run: dict[str, Any]
-    project: str | None
-    #: 1 for the first try of this notification, 2 for the first retry, ...
-    attempt: int = 1
-
-
-def run_page_url(settings: Settings, run_id: int) -> str:
-    """The dashboard page of run `run_id`: under `dashboard_url` when the dashboard runs on
-    its own, else under the collector's `public_url`, where it is mounted."""
-    base = settings.dashboard_url or f"{settings.public_url}/dashboard"
-    return f"{base.rstrip('/')}/run/{run_id}"
-
-
-def _iso(value: datetime | None) -> str | None:
-    return value.isoformat() if value is not None else None
-
-
-def alert_message(
-    notification_id: int | None,
-    transition: str,
-    alert: Alert,
-    run: Run,
-    settings: Settings,
-    *,
-    attempt: int = 1,
-) -> Message:
-    return Message(
-        attempt=attempt,
-        notification_id=notification_id,
-        kind="alert",
-        transition=transition,
-        alert={
-            "id": alert.id,
-            "rule": alert.rule,
-            "layer": alert.layer,
-            "severity": alert.severity,
-            "status": alert.status,
-            "started_step": alert.started_step,
-            "fired_step": alert.fired_step,
-            "resolved_step": alert.resolved_step,
-            "started_at": _iso(alert.started_at),
-            "fired_at": _iso(alert.fired_at),
-            "resolved_at": _iso(alert.resolved_at),
-            "message": alert.message,
-            "values": alert.values,
-        },
-        run={
-            "id": run.id,
-            "client_run_id": run.client_run_id,
-            "name": run.name,
-            "project": run.project,
-            "url": run_page_url(settings, run.id),
-        },
-        project=run.project,
-    )
-
-
-def sample_message(webhook: Webhook) -> Message:
-    """A harmless message that shows what an alert will look like at `webhook`."""
-    return Message(
-        notification_id=None,
-        kind="test",
-        transition="firing",
-        alert={
-            "id": None,
-            "rule": "test",
-            "layer": "",
-            "severity": "info",
-            "status": "firing",
-            "started_step": None,
-            "fired_step": None,
-            "resolved_step": None,
-            "started_at": None,
-            "fired_at": None,
-            "resolved_at": None,
-            "message": f"test message for webhook {webhook.id}: ampwatch can reach this URL",
-            "values": {},
-        },
-        run={},
-        project=webhook.project,
-    )
-
-
-def generic_body(message: Message, *, sent_at: datetime | None = None) -> dict[str, Any]:
-    """The `generic` JSON body (layout in the module docstring)."""
-    return {
-        "version": GENERIC_VERSION,
-        "kind": message.kind,
-        "notification_id": message.notification_id,
-        "attempt": message.attempt,
-        "transition": message.transition,
-        "alert": message.alert,
-        "run": message.run,
-        "project": message.project,
-        "sent_at": (sent_at or utcnow()).isoformat(),
-    }
-
-
-def slack_escape(text: str) -> str:
-    """`text` as Slack shows it literally: its three control characters escaped (Slack's
-    "Escaping text" rules), so a run named `<!channel>` pings no one and `<http://x|y>`
-    in a finding is no disguised link.
-
-    >>> slack_escape("<!channel> & <http://evil|docs>")
-    '&lt;!channel&gt; &amp; &lt;http://evil|docs&gt;'
-    """
-    return text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;")
-
-
-def slack_body(message: Message) -> dict[str, Any]:
-    """A Slack incoming-webhook body: `text` says it all; `blocks` lay it out. Everything
-    a run or an alert contributes is escaped (`slack_escape`); the header block is
-    plain text, which Slack never parses."""
-    alert, run = message.alert, message.run
-    severity = str(alert["severity"])
-    state = "RESOLVED" if message.transition == "resolved" else severity.upper()
-    step = alert["resolved_step"] if message.transition == "resolved" else alert["fired_step"]
-    step = step if step is not None else alert.get("started_step")
-    at_step = f" at step {step}" if step is not None else ""
-    run_name = str(run.get("name") or "(test)")
-    layer = str(alert.get("layer") or "")
-    rule = str(alert["rule"])
-
-    def headline_of(escape: Any) -> str:
-        where = f" on layer `{escape(layer)}`" if layer else ""
-        return (
-            f"[{state}] {escape(rule)} {message.transition} on run {escape(run_name)}"
-            f"{where}{at_step}"
-        )
-
-    headline = headline_of(slack_escape)
-    finding = slack_escape(str(alert["message"]))
-    text = f"{headline}: {finding}"
-    if run.get("url"):
-        text += f" <{run['url']}|open run>"
-    fields = [
-        ("Run", f"{slack_escape(run_name)} (id {run['id']})" if run else "(test)"),
-        ("Project", slack_escape(message.project or "(every project)")),
-        ("Rule", slack_escape(rule)),
-        ("Severity", severity),
-        ("Layer", slack_escape(layer) if layer else "(whole run)"),
-        ("Step", str(step) if step is not None else "-"),
-    ]
-    blocks: list[dict[str, Any]] = [
-        {
-            "type": "header",
-            "text": {"type": "plain_text", "text": headline_of(str)[:150]},
-        },
-        {
-            "type": "section",
-            "fields": [{"type": "mrkdwn", "text": f"*{name}*\n{value}"} for name, value in fields],
-        },
-        {
-            "type": "section",
-            "text": {
-                "type": "mrkdwn",
-                "text": f"{_SEVERITY_ICONS.get(severity, '')} {finding}"[:3000],
-            },
-        },
-    ]
-    if run.get("url"):
-        link = {"type": "mrkdwn", "text": f"<{run['url']}|Open the run in ampwatch>"}
-        blocks.append({"type": "context", "elements": [link]})
-    return {"text": text, "blocks": blocks}
-
-
-def render(message: Message, body_format: str) -> dict[str, Any]:
-    return slack_body(message) if body_format == "slack" else generic_body(message)
-
-
-# --- delivery -----------------------------------------------------------------------
 
 
 @dataclass(frozen=True)
@@ -331,14 +101,6 @@ class _Claim:
     body: dict[str, Any]
 
 
-def _load_sweep() -> Callable[[Session, datetime], Any] | None:
-    try:
-        from ampwatch.server.alerts import sweep
-    except ImportError:
-        return None
-    return sweep  # type: ignore[no-any-return]
-
-
 class DeliveryWorker:
     """One daemon thread per collector process: each `settings.notify_interval` it runs
     the alert sweep and delivers due notifications (`tick`). `stop()` waits for the
@@ -355,7 +117,7 @@ class DeliveryWorker:
     ) -> None:
         self._sessions = sessions
         self._settings = settings
-        self._sweep = _load_sweep() if sweep == "auto" else sweep
+        self._sweep = alert_sweep if sweep == "auto" else sweep
         self._rng = rng
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
