@@ -66,7 +66,7 @@ def _loss_scales(session: Session, run_id: int, rank: int, steps: list[int]) -> 
     )
     scales: dict[int, float] = {}
     for step, step_rank, scale in rows:
-        if step not in scales or step_rank == rank:
+        if scale is not None and (step not in scales or step_rank == rank):
             scales[step] = scale
     return scales
 

@@ -26,6 +26,7 @@ from pathlib import Path
 from types import FrameType
 
 from ampwatch.agent import wire
+from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.logs.detect import SNIFF_LINES, detect_format, make_parser
 from ampwatch.agent.logs.records import Target, derived_id, event, run_start, step_sample
 from ampwatch.agent.logs.series import Checkpoint, Entry, LogStep, Parser, Restart
@@ -118,8 +119,8 @@ class Follower:
                                 "name": f"{self._name}-{engine}" if engine else self._name}  # fmt: skip
             if self._project is not None:
                 ref["project"] = self._project
-            sender = Sender(ref, self._in_order, token=self._token,
-                            spool_dir=self._process_spool(engine),
+            delivery = DeliveryOptions(spool_dir=self._process_spool(engine))
+            sender = Sender(ref, self._in_order, token=self._token, delivery=delivery,
                             flush_interval=self._flush_interval)  # fmt: skip
             sender.start()
             sender.put(run_start(self.format or self._fmt, str(self.path), self._process,

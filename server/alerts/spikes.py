@@ -22,7 +22,6 @@ window at most `window_width` steps.
 from __future__ import annotations
 
 import math
-import statistics
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any

@@ -333,4 +333,3 @@ def _depth(value: Any, limit: int) -> int:
         return 0
     items = value.values() if isinstance(value, dict) else value
     return 1 + max((_depth(item, limit - 1) for item in items), default=0)
-
