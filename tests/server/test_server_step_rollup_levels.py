@@ -62,7 +62,8 @@ def send(sessions: sessionmaker[Session], run: str, seq: int, steps: list[dict[s
         "steps": [{k: _wire(v) if k in FIELDS else v for k, v in s.items()} for s in steps],
     }
     with sessions() as session:
-        return ingest_batch(session, BatchIn.model_validate(batch), evaluate_alerts=False).run_id
+        ack = ingest_batch(session, BatchIn.model_validate(batch), evaluate_alerts=False)
+        return int(ack.run_id)
 
 
 @st.composite
