@@ -329,7 +329,8 @@ def plan_reads(
     (a multiple of the coarsest level used, so each rollup lies in one bucket) and the
     pieces -- whole buckets of the coarsest level no wider than `width`, then finer levels
     towards the ends, raw rows for the < 64 steps left at each end. None: read the raw
-    rows (`width` under the finest level and nothing aged in the window).
+    rows (`width` under the finest level and nothing aged in the window). The step
+    rollups have the same levels, and the step series reads by this plan too.
 
     >>> plan_reads(10, 5000, 300, None)
     (512, [(None, 10, 63), (64, 64, 192), (256, 256, 4608), (64, 4864, 4928), (None, 4992, 5000)])

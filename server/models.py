@@ -258,21 +258,10 @@ class Step(Base):
     lr_groups: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
-class StepRollup(Base):
-    """Min and max of every step field over the `ROLLUP_WIDTH` steps from `bucket_start`.
+class _StepExtremes:
+    """The columns a step rollup of any level holds after its key: the bucket's first and
+    last step, its skip and step counts, and min and max of every step field."""
 
-    A downsampled 100k-step series from raw rows is a 100k-row scan (about 45 ms in SQLite
-    on this machine before any HTTP); from these rows it is a 1,600-row scan. Ingest
-    recomputes each touched rollup from the raw rows in the same transaction, so a re-sent
-    step can never leave a stale extreme behind. NaN sorts above every number in both
-    SQLite (as the text 'NaN') and PostgreSQL, so `*_max` is NaN whenever a NaN was seen.
-    """
-
-    __tablename__ = "step_rollups"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     first_step: Mapped[int] = mapped_column(BigInteger)
     last_step: Mapped[int] = mapped_column(BigInteger)
     skipped_count: Mapped[int] = mapped_column(Integer)
@@ -297,6 +286,40 @@ class StepRollup(Base):
     act_prenorm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+
+
+class StepRollup(_StepExtremes, Base):
+    """Min and max of every step field over the `ROLLUP_WIDTH` steps from `bucket_start`.
+
+    A downsampled 100k-step series from raw rows is a 100k-row scan (about 45 ms in SQLite
+    on this machine before any HTTP); from these rows it is a 1,600-row scan. Ingest
+    recomputes each touched rollup from the raw rows in the same transaction, so a re-sent
+    step can never leave a stale extreme behind. NaN sorts above every number in both
+    SQLite (as the text 'NaN') and PostgreSQL, so `*_max` is NaN whenever a NaN was seen.
+    """
+
+    __tablename__ = "step_rollups"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+
+
+class StepRollupLevel(_StepExtremes, Base):
+    """`StepRollup`'s columns over the `level` steps from `bucket_start`, for the levels
+    above it (256, 1,024, ... 65,536: `ampwatch.server.rollups`), each computed from the
+    level below; a whole-run series of a 2M-step run reads ~2,000 rows, not 31,000.
+
+    A table of its own, not a level column in `step_rollups`: every reader of the 64-step
+    rollups (run totals, the advisor, the runs list) stays as it is.
+    """
+
+    __tablename__ = "step_rollup_levels"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    level: Mapped[int] = mapped_column(Integer, primary_key=True)
+    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
 
 
 class RunStepTotals(Base):

@@ -42,9 +42,9 @@ from ampwatch.agent.wire import (
     encode_floats,
 )
 from ampwatch.server.layer_rollups import FINEST, Piece, plan_reads
-from ampwatch.server.models import Layer, Module, Step, StepRollup
+from ampwatch.server.models import Layer, Module, Step
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
-from ampwatch.server.rollups import ROLLUP_COLUMNS, ROLLUP_WIDTH, step_aggregates
+from ampwatch.server.rollups import level_source, rollup_aggregates, step_aggregates
 from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
 from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
 
@@ -104,18 +104,18 @@ def _step_bounds(
     return (low, high) if low <= high else None
 
 
-def bucket_width_for(low: int, high: int, buckets: int, *, align: int = 1) -> int:
+def bucket_width_for(low: int, high: int, buckets: int) -> int:
     """Steps per bucket so that steps low..high fall in at most `buckets` buckets aligned
-    to multiples of the width, rounded up to a multiple of `align` when at least `align`.
+    to multiples of the width (a read of rollups widens it to a multiple of their level:
+    `plan_reads`).
 
     Aligned buckets can straddle both ends of the range, so the width must cover
     (high - low) / (buckets - 1) steps, not (high - low + 1) / buckets.
 
-    >>> bucket_width_for(1, 100_000, 250, align=64)
-    448
+    >>> bucket_width_for(1, 100_000, 250)
+    402
     """
-    width = high + 1 if buckets <= 1 else (high - low) // (buckets - 1) + 1
-    return -(-width // align) * align if width >= align else width
+    return high + 1 if buckets <= 1 else (high - low) // (buckets - 1) + 1
 
 
 def step_series(
@@ -144,50 +144,39 @@ def step_series(
         lr_groups = {step: _wire_list(blob) for step, blob in groups if blob is not None}
         return _columns(list(_buckets_from(rows).values()), 1, lr_groups)
 
-    width = bucket_width_for(low, high, max_points // 2, align=ROLLUP_WIDTH)
+    width = bucket_width_for(low, high, max_points // 2)
+    plan = plan_reads(low, high, width, None)
+    pieces: list[Piece] = [(None, low, high)]
+    if plan is not None:
+        # Whole buckets of the coarsest level no wider than the answer's from its rollups,
+        # finer levels and then raw rows towards the ends (`plan_reads`).
+        width, pieces = plan
     buckets: dict[int, _Bucket] = {}
-    raw_bucket = Step.step // width
-    if width < ROLLUP_WIDTH:
-        raw_ranges = [(low, high)]
-    else:
-        # Whole rollup buckets inside [low, high] come from the rollups; the partial ones
-        # at either end (fewer than ROLLUP_WIDTH steps each) from the raw rows.
-        full_low = -(-low // ROLLUP_WIDTH) * ROLLUP_WIDTH
-        full_high = (high + 1) // ROLLUP_WIDTH * ROLLUP_WIDTH - 1
-        raw_ranges = [(low, high)]
-        if full_low < full_high:
-            raw_ranges = [(low, full_low - 1), (full_high + 1, high)]
-            _merge(
-                buckets, session.execute(_rollup_query(run_id, rank, full_low, full_high, width))
+    for level, first, last in pieces:
+        if level is None:
+            raw_bucket = Step.step // width
+            query = (
+                select(raw_bucket, *step_aggregates())
+                .where(Step.run_id == run_id, Step.rank == rank, Step.step.between(first, last))
+                .group_by(raw_bucket)
             )
-    for first, last in raw_ranges:
-        if first > last:
-            continue
-        rows = session.execute(
-            select(raw_bucket, *step_aggregates())
-            .where(Step.run_id == run_id, Step.rank == rank, Step.step.between(first, last))
-            .group_by(raw_bucket)
-        )
-        _merge(buckets, rows)
+        else:
+            query = _rollup_query(run_id, rank, level, first, last, width)
+        _merge(buckets, session.execute(query))
     return _columns([buckets[key] for key in sorted(buckets)], width)
 
 
-def _rollup_query(run_id: int, rank: int, low: int, high: int, width: int) -> Any:
-    key = StepRollup.bucket_start // width
-    aggregates = [
-        func.min(StepRollup.first_step),
-        func.max(StepRollup.last_step),
-        func.sum(StepRollup.skipped_count),
-    ]
-    for name in ROLLUP_COLUMNS[3:]:
-        column = getattr(StepRollup, name)
-        aggregates.append(func.min(column) if name.endswith("_min") else func.max(column))
+def _rollup_query(run_id: int, rank: int, level: int, first: int, last: int, width: int) -> Any:
+    """The `level`-step rollups starting in first..last, combined per `width`-step bucket."""
+    source, of_level = level_source(level)
+    key = source.bucket_start // width
     return (
-        select(key, *aggregates)
+        select(key, *rollup_aggregates(source))
         .where(
-            StepRollup.run_id == run_id,
-            StepRollup.rank == rank,
-            StepRollup.bucket_start.between(low, high),
+            *of_level,
+            source.run_id == run_id,
+            source.rank == rank,
+            source.bucket_start.between(first, last),
         )
         .group_by(key)
     )
