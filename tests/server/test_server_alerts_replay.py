@@ -23,6 +23,7 @@ from wire_batches import step_record
 
 from ampwatch.server import ingest, migrate
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.layer_rollups import LAYER_LEVELS, LEVEL_FACTOR
 
 STEPS = 100_000
 PER_BATCH = 100
@@ -144,7 +145,12 @@ def test_100k_steps_quiet_then_the_collapse_fires_at_flat_cost(
     early, late = cost["early"], cost["late"]
     print(f"\nper batch, early vs late: {early} vs {late}")
     assert late["statements"] == early["statements"]
-    assert late["rows_read"] <= early["rows_read"] + 2
+    # A rollup level above the finest recomputes a touched bucket from its children: up to
+    # LEVEL_FACTOR of them, fewer while the bucket is still filling, so the rows read vary
+    # with where a batch falls in each level's bucket (per sampled statistic), bounded
+    # whatever the run's length.
+    phase = (LEVEL_FACTOR - 1) * (len(LAYER_LEVELS) - 1) * len(("zero_fraction", "flush_fraction"))
+    assert late["rows_read"] <= early["rows_read"] + 2 + phase
     assert late["state_bytes"] <= early["state_bytes"] * 1.1
     early_ms = statistics.median(evaluate_seconds[10:110]) * 1000
     late_ms = statistics.median(evaluate_seconds[-110:-10]) * 1000
