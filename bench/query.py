@@ -42,8 +42,8 @@ from collector import POSTGRES_ADMIN_URL, drop_postgres_database, postgres_datab
 from sqlalchemy import select, text
 
 from ampwatch.agent.wire import LAYER_STATS, WIRE_VERSION
-from ampwatch.server.db import begin_write, make_engine, make_sessionmaker
-from ampwatch.server.ingest import LAYER_STAT_COLUMNS, _upsert, ingest_batch
+from ampwatch.server.db import begin_write, make_engine, make_sessionmaker, upsert
+from ampwatch.server.ingest import LAYER_STAT_COLUMNS, LAYER_STAT_KEY, ingest_batch
 from ampwatch.server.layer_rollups import (
     LAYER_LEVELS,
     ROLLUP_COLUMNS,
@@ -66,8 +66,8 @@ def populate(database_url: str, steps: int, layers: int, *, bulk: bool = False) 
     """Store one run of `steps` steps and `layers` layers through the ingest code.
 
     `bulk`: the step records and the first batch's layer records go through
-    `ingest_batch`; every later packed layer row is upserted as ingest does, without
-    parsing a wire batch, and the layer rollups are then computed by
+    `ingest_batch`; every later packed layer row is upserted as ingest does (`db.upsert`),
+    without parsing a wire batch, and the layer rollups are then computed by
     `rollups_from_rows` (the migration's backfill, the same reduction as ingest's). At
     2M x 1,000 (800 M values) the full path would take about an hour on this machine.
     """
@@ -107,7 +107,7 @@ def populate(database_url: str, steps: int, layers: int, *, bulk: bool = False) 
                         for stat in LAYER_STATS
                     ]
                     begin_write(session)
-                    _upsert(session, LayerStat, LAYER_STAT_COLUMNS, rows, LAYER_STAT_COLUMNS[:4])
+                    upsert(session, LayerStat, LAYER_STAT_COLUMNS, rows, LAYER_STAT_KEY)
                     session.commit()
         if bulk:
             _bulk_rollups(sessions)
@@ -129,7 +129,7 @@ def _bulk_rollups(sessions: Any) -> None:
         with sessions() as session:
             begin_write(session)
             for i in range(0, len(rollups), 2_000):
-                _upsert(session, LayerRollup, ROLLUP_COLUMNS, rollups[i : i + 2_000], ROLLUP_KEY)
+                upsert(session, LayerRollup, ROLLUP_COLUMNS, rollups[i : i + 2_000], ROLLUP_KEY)
             session.commit()
 
 
