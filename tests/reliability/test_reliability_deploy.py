@@ -173,12 +173,13 @@ def test_workers_rebuild_the_same_settings_from_the_environment(
 
 
 def test_cli_flags_reach_the_settings() -> None:
-    from ampwatch.server.cli import _settings, build_parser
+    from ampwatch.server.cli import build_parser
+    from ampwatch.server.cli.options import settings_from
 
     args = build_parser().parse_args(["serve", "--workers", "2", "--no-migrate"])
-    settings = _settings(args)
+    settings = settings_from(args)
     assert settings.workers == 2 and settings.migrate is False
-    assert _settings(build_parser().parse_args(["serve"])).migrate is True
+    assert settings_from(build_parser().parse_args(["serve"])).migrate is True
 
 
 @pytest.mark.postgres

@@ -369,7 +369,7 @@ def test_min_loss_scale_follows_the_runs_collapse_settings(
 
 
 def test_the_recommendation_names_the_data_to_skip(client: httpx.Client, crash_run: int) -> None:
-    from ampwatch.server.cli import format_restart_candidates
+    from ampwatch.server.cli.remote import format_restart_candidates
 
     answer = client.get(f"/api/v1/runs/{crash_run}/restart-candidates").json()
     skip = answer["skip_steps"]
