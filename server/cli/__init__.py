@@ -37,5 +37,10 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    """Run the command `argv` (default: the process's arguments) names; its exit status.
+
+    >>> main(["token", "list", "--database-url", "sqlite:///ampwatch.db"])  # doctest: +SKIP
+    0
+    """
     args = build_parser().parse_args(argv)
     return int(args.func(args))
