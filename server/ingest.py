@@ -35,6 +35,7 @@ from ampwatch.agent.wire import (
     decode_float,
 )
 from ampwatch.server.alerts import evaluate_batch
+from ampwatch.server.alerts.evaluate import Judged
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.layer_rollups import ROLLUP_COLUMNS, ROLLUP_KEY, refresh_layer_rollups
@@ -83,7 +84,7 @@ def ingest_batch(
         return ack.model_copy(update={"duplicate": True})
 
     session.add(IngestedBatch(run_id=run.id, stream=batch.stream, seq=batch.seq, received_at=now))
-    _store_steps(session, run.id, batch.steps)
+    spans = _store_steps(session, run.id, batch.steps)
     _store_layer_stats(session, run, batch.layer_stats)
     _apply_events(session, run, batch.events)
     for kind in DROPPED_KINDS:
@@ -91,7 +92,10 @@ def ingest_batch(
         setattr(run, column, getattr(run, column) + batch.dropped.get(kind, 0))
     run.last_seen_at = now
     if evaluate_alerts:
-        evaluate_batch(session, run, batch, now=now)  # alert rules, in this transaction
+        # Alert rules, in this transaction; what activation_norm_spike judged is stored
+        # with the steps before their rollups are computed, so every level holds it.
+        _store_judged(session, run.id, evaluate_batch(session, run, batch, now=now))
+    refresh_step_rollups(session, run.id, spans)
     session.commit()
     return ack
 
@@ -124,8 +128,9 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
 _STEP_COLUMNS = ("run_id", "rank", "step", "skipped", *STEP_FLOAT_FIELDS, "lr_groups")
 
 
-def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
-    """Upsert the step rows in one statement, then refresh the rollups they touch.
+def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> list[tuple[int, int, int]]:
+    """Upsert the step rows in one statement; returns the (rank, first, last) spans whose
+    rollups the caller refreshes (after the rule engine wrote its judgements).
 
     Rows are plain tuples converted as `NonFiniteFloat` would (NaN as text on SQLite):
     SQLAlchemy's per-row parameter processing cost ~10 us a row, half the time of a
@@ -144,13 +149,35 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn]) -> None:
             None if record.lr_groups is None else record.lr_groups.astype("<f8").tobytes(),
         )  # fmt: skip
     if not latest:
-        return
+        return []
     _upsert(session, Step, _STEP_COLUMNS, list(latest.values()), ("run_id", "rank", "step"))
     spans: dict[int, tuple[int, int]] = {}
     for rank, step in latest:
         first, last = spans.get(rank, (step, step))
         spans[rank] = (min(first, step), max(last, step))
-    refresh_step_rollups(session, run_id, [(rank, *span) for rank, span in spans.items()])
+    return [(rank, *span) for rank, span in spans.items()]
+
+
+def _store_judged(session: Session, run_id: int, judged: Judged) -> None:
+    """Write activation_norm_spike's threshold and verdict onto the steps it judged (rows
+    this batch stored): one UPDATE, through `unnest` on PostgreSQL as `_upsert` does."""
+    if not judged:
+        return
+    connection = session.connection()
+    if connection.dialect.name == "postgresql":
+        ranks, steps, thresholds, above = (list(column) for column in zip(*judged))
+        connection.exec_driver_sql(
+            "UPDATE steps SET act_threshold = j.t, act_above = j.a FROM unnest(%b::integer[], "
+            "%b::bigint[], %b::double precision[], %b::boolean[]) AS j(r, s, t, a) "
+            "WHERE steps.run_id = %b AND steps.rank = j.r AND steps.step = j.s",
+            (ranks, steps, thresholds, above, run_id),
+        )
+        return
+    connection.exec_driver_sql(
+        "UPDATE steps SET act_threshold = ?, act_above = ? "
+        "WHERE run_id = ? AND rank = ? AND step = ?",
+        [(sqlite_float(t), a, run_id, r, s) for r, s, t, a in judged],
+    )
 
 
 #: Per engine, the committed name -> idx mappings of recently written runs, by (model,

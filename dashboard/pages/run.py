@@ -324,6 +324,7 @@ def update_run_data(
     elif new_steps.step:
         for name in STEP_COLUMNS:
             patch["steps"][name].extend(new[name])
+        patch["steps"]["rule_lines"] = new["rule_lines"]  # an override may have moved them
     if new_steps.step:
         moved.update(
             last_step=new_steps.step[-1],
