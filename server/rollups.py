@@ -1,6 +1,8 @@
-"""Step rollups: min, max and skip count of every step field per `ROLLUP_WIDTH` steps.
+"""Step rollups: min, max and skip count of every step field per `ROLLUP_WIDTH` steps, and
+activation_norm_spike's threshold (min, max, steps judged above: `THRESHOLD_COLUMNS`).
 
-Written by ingest (`refresh_step_rollups`, in the batch's transaction), read by the
+Written by ingest (`refresh_step_rollups`, in the batch's transaction, after the rule
+engine wrote its per-step thresholds onto the steps), read by the
 downsampled step series (`ampwatch.server.series`). A rollup row is always recomputed from
 the raw `steps` rows of its bucket, never merged incrementally, so a step re-sent with a
 new value cannot leave a stale extreme behind, and NaN ordering is the database's own

@@ -65,7 +65,8 @@ class _Bucket:
         ways: a step above its threshold is above every smaller one, so the point is above
         the line; with none above, every value is at most its own threshold, so the maximum
         is at most the largest. A single minimum or maximum would draw steps as above that
-        the rule judged below, or the reverse."""
+        the rule judged below, or the reverse. (A bucket whose maximum is NaN draws a gap
+        there: NaN wins the maximum, and the rule never judges a non-finite norm.)"""
         return self.threshold[0] if self.above else self.threshold[1]
 
 

@@ -479,6 +479,10 @@ def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
     assert figure.data[0].line.color != figure.data[3].line.color
     assert figure.layout.yaxis2.type == "log" and "2<sup>0</sup>" in figure.layout.yaxis2.ticktext
     assert 10 ** figure.layout.yaxis2.range[0] <= 0.125  # both runs' scales in range
-    (one,) = figure.layout.shapes
+    (one,) = figure.layout.shapes  # `series`'s min_scale; `other` served no rule lines
     assert (one.y0, one.yref) == (1.0, "y2")
+    assert series.rule_lines is not None
+    strict = replace(series, rule_lines=replace(series.rule_lines, min_scale=8.0))
+    both = compare_figures.compare_figure([("a", series), ("c", strict)])
+    assert sorted(s.y0 for s in both.layout.shapes) == [1.0, 8.0]  # each run's own line
     assert "Pick two" in compare_figures.compare_figure([]).layout.annotations[0].text
