@@ -15,6 +15,7 @@ overrides, the state row), well inside the series' 50 ms bar.
 
 from __future__ import annotations
 
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts import rules
@@ -35,9 +36,10 @@ def rule_lines(session: Session, run_id: int, series: StepSeries) -> RuleLines:
     collapse = settings.get("loss_scale_collapse") or rules.LossScaleCollapse()
     assert isinstance(spike, rules.ActivationNormSpike)
     assert isinstance(collapse, rules.LossScaleCollapse)
-    held = (n for n in judged_fields(spike) if any(v is not None for v in getattr(series, n)))
-    row = session.get(AlertState, (run_id, STEPS_KEY))
-    state = StepState.from_json(row.data if row is not None else None)
+    held = (n for n in judged_fields(spike) if getattr(series, n).count(None) < len(series.step))
+    state = StepState(min_loss_scale=StepState.reported_floor(session.scalar(
+        select(AlertState.data).where(AlertState.run_id == run_id, AlertState.key == STEPS_KEY)
+    )))  # fmt: skip
     return RuleLines(
         activation=ActivationRuleLine(
             enabled=spike.enabled,

@@ -1,9 +1,9 @@
 """Incremental evaluation of a run's alert rules, one ingested batch at a time.
 
-`evaluate_batch` runs inside the ingest transaction, after the batch is stored and with the
-run row locked (which serialises the collector's workers on the run), and before the step
-rollups: it returns activation_norm_spike's threshold and verdict per judged step
-(`Judged`), which ingest stores with the steps for the chart to draw. It reads the run's
+`evaluate_batch` runs inside the ingest transaction, with the run row locked (which
+serialises the collector's workers on the run), before the batch's rows are stored: it
+reads only its own state, and returns activation_norm_spike's threshold and verdict per
+judged step (`Judged`), which ingest stores in the step rows for the chart to draw. It reads the run's
 `alert_state` rows, open alerts and threshold overrides (three queries), evaluates the
 batch's own records against that state, and writes the state back: the cost of a batch
 depends on the batch and the run's layer count, never on how long the run is.
@@ -71,7 +71,7 @@ Judged = list[tuple[int, int, float, bool]]
 
 
 def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime) -> Judged:
-    """Evaluate every rule of `run` on `batch` (already stored) and move its alerts;
+    """Evaluate every rule of `run` on `batch` and move its alerts;
     returns what activation_norm_spike judged, per step, for the chart to draw.
 
     Call inside the ingest transaction, with the run locked; the caller commits. Runs in a
