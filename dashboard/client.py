@@ -98,6 +98,53 @@ class RunSummary:
 
 
 @dataclass(frozen=True)
+class RuleLines:
+    """A step series' `rule_lines`: what the run's rules judge it by, with its effective
+    settings (the collector's `ampwatch.server.rule_lines`, where each field is named)."""
+
+    act_field: str | None
+    act_enabled: bool
+    min_ratio: float
+    z_threshold: float
+    baseline_steps: int
+    min_baseline_steps: int
+    min_scale: float
+    scaler_floor: float | None
+    floor_headroom_octaves: int
+    floor_headroom_scale: float | None
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any] | None) -> RuleLines | None:
+        if not data:
+            return None
+        act, scale = data["activation"], data["loss_scale"]
+        return cls(
+            act_field=act["field"], act_enabled=bool(act["enabled"]),
+            min_ratio=float(act["min_ratio"]), z_threshold=float(act["z_threshold"]),
+            baseline_steps=int(act["baseline_steps"]),
+            min_baseline_steps=int(act["min_baseline_steps"]),
+            min_scale=float(scale["min_scale"]), scaler_floor=scale.get("scaler_floor"),
+            floor_headroom_octaves=int(scale["floor_headroom_octaves"]),
+            floor_headroom_scale=scale.get("floor_headroom_scale"),
+        )  # fmt: skip
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "activation": {
+                "field": self.act_field, "enabled": self.act_enabled,
+                "min_ratio": self.min_ratio, "z_threshold": self.z_threshold,
+                "baseline_steps": self.baseline_steps,
+                "min_baseline_steps": self.min_baseline_steps,
+            },
+            "loss_scale": {
+                "min_scale": self.min_scale, "scaler_floor": self.scaler_floor,
+                "floor_headroom_octaves": self.floor_headroom_octaves,
+                "floor_headroom_scale": self.floor_headroom_scale,
+            },
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class StepSeries:
     """`GET /runs/{id}/steps`: per-step columns, aligned by index, ordered by step."""
 
@@ -118,6 +165,12 @@ class StepSeries:
     skipped_count: list[int]
     #: Steps per bucket: 1 = exact rows; else two points (min, max) per bucket.
     bucket_width: int = 1
+    #: activation_norm_spike's firing threshold per point, as the collector's rule engine
+    #: judged it (None: not judged), and the steps a point stands for judged above it.
+    act_threshold: list[float | None] = field(default_factory=list)
+    act_above_count: list[int] = field(default_factory=list)
+    #: None from a collector that predates them: the charts then draw no rule line.
+    rule_lines: RuleLines | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any]) -> StepSeries:
@@ -133,6 +186,9 @@ class StepSeries:
             skipped=skipped,
             skipped_count=[int(c) for c in counts],
             bucket_width=int(data.get("bucket_width") or 1),
+            act_threshold=_decode_all(data.get("act_threshold") or [None] * len(steps)),
+            act_above_count=[int(c) for c in data.get("act_above_count") or [0] * len(steps)],
+            rule_lines=RuleLines.from_json(data.get("rule_lines")),
             **floats,
         )
 
@@ -142,6 +198,9 @@ class StepSeries:
             "skipped": self.skipped,
             "skipped_count": self.skipped_count,
             "bucket_width": self.bucket_width,
+            "act_threshold": _encode_all(self.act_threshold),
+            "act_above_count": self.act_above_count,
+            "rule_lines": None if self.rule_lines is None else self.rule_lines.to_json(),
         }
         for name in STEP_FLOAT_FIELDS:
             data[name] = _encode_all(getattr(self, name))
@@ -153,7 +212,9 @@ class StepSeries:
 
 
 #: The columns of a step series in the store (`StepSeries.to_json`) that grow with steps.
-STEP_COLUMNS = ("step", "skipped", "skipped_count", *STEP_FLOAT_FIELDS)
+STEP_COLUMNS = (
+    "step", "skipped", "skipped_count", "act_threshold", "act_above_count", *STEP_FLOAT_FIELDS,
+)  # fmt: skip
 
 
 @dataclass(frozen=True)

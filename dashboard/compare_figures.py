@@ -11,7 +11,6 @@ import plotly.graph_objects as go
 
 from ampwatch.dashboard.client import StepSeries
 from ampwatch.dashboard.figure_common import (
-    HEALTHY_SCALE,
     STEP_AXIS_TITLE,
     _title,
     empty_figure,
@@ -26,8 +25,9 @@ RUN_COLORS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", 
 
 
 def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
-    """Several runs on one step axis: loss, loss scale (log2, with the 1.0 line) and the
-    final-layer activation norm (max over tokens, log), one colour per run."""
+    """Several runs on one step axis: loss, loss scale (log2, with each run's effective
+    loss_scale_collapse min_scale as the collector serves it: one dashed line per distinct
+    value) and the final-layer activation norm (max over tokens, log), one colour per run."""
     title = "Compare runs"
     if not runs:
         return empty_figure(title, "Pick two or more runs to compare.")
@@ -58,8 +58,9 @@ def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
                     "hovertemplate": f"{name}: %{{y:.4g}}<extra></extra>",
                 }
             )
-    low = min([*scales, HEALTHY_SCALE]) / 2
-    high = max([*scales, HEALTHY_SCALE]) * 2
+    lines = sorted({s.rule_lines.min_scale for _, s in runs if s.rule_lines is not None} - {0.0})
+    low = min([*scales, *lines] or [1.0]) / 2
+    high = max([*scales, *lines] or [1.0]) * 2
     tick_values, tick_text = log2_ticks(low, high)
     domains = ([0.70, 1.0], [0.36, 0.64], [0.0, 0.30])
     titles = ("loss", "loss scale (log2)", "final-layer act norm (max)")
@@ -91,9 +92,10 @@ def compare_figure(runs: Sequence[tuple[str, StepSeries]]) -> go.Figure:
             "x0": 0,
             "x1": 1,
             "yref": "y2",
-            "y0": HEALTHY_SCALE,
-            "y1": HEALTHY_SCALE,
+            "y0": line,
+            "y1": line,
             "line": {"dash": "dash", "color": "#888888", "width": 1},
         }
+        for line in lines
     ]
     return figure_of(data, layout)

@@ -16,11 +16,7 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.server.baselines import HEALTHY_LOSS_SCALE
-
 STEP_AXIS_TITLE = "optimizer step"
-
-HEALTHY_SCALE = HEALTHY_LOSS_SCALE  # the collapse rule's default line
 
 SKIPPED_COLOR = "#d62728"
 

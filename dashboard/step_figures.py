@@ -1,6 +1,13 @@
 """The run page's step charts, pure functions from decoded API data to plotly figures:
-the loss scale (with skipped steps, checkpoints, alerts), skip rate, gradient norm and
-activation norm (with its robust baseline band).
+the loss scale (with skipped steps, checkpoints, alerts, and the scale lines its rules
+judge by), skip rate, gradient norm and activation norm (with activation_norm_spike's own
+firing threshold).
+
+The rule lines come from the collector with the series (`StepSeries.rule_lines`,
+`act_threshold`): the run's effective settings and the threshold the rule engine judged
+each step against. Nothing here computes a baseline of its own, so a point drawn above a
+line is a step the rule judged above it (`ampwatch.server.series`: the downsampled line is
+exact both ways against a bucket's maximum).
 
     >>> from ampwatch.dashboard.client import StepSeries
     >>> series = StepSeries.from_json({"step": [1, 2], "loss_scale": [65536.0, 32768.0],
@@ -18,10 +25,9 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import Alert, StepSeries
+from ampwatch.dashboard.client import Alert, RuleLines, StepSeries
 from ampwatch.dashboard.figure_common import (
     CHECKPOINT_COLOR,
-    HEALTHY_SCALE,
     LOSS_COLOR,
     NON_FINITE_COLOR,
     SCALE_COLOR,
@@ -38,18 +44,22 @@ from ampwatch.dashboard.figure_common import (
     plot_values,
     two_rows,
 )
-from ampwatch.server.baselines import robust_baseline
 
 #: Verdicts of the restart advisor, as drawn on the loss-scale chart.
 RECOMMENDED = "recommended"
 
 REJECTED = "rejected"
 
-#: Activation-norm baseline band: trailing median ± BAND_MADS robust deviations
-#: (1.4826 · MAD) over the previous BAND_POINTS points of the series.
-BAND_POINTS = 256
+#: The trace of activation_norm_spike's threshold (the browser test finds it by name).
+THRESHOLD_TRACE = "alert threshold (activation_norm_spike)"
 
-BAND_MADS = 4.0
+#: The activation-norm traces by step field: (legend name, colour, dash).
+ACT_TRACES = {
+    "act_norm_max": ("max over tokens", "#9467bd", None),
+    "act_norm_mean": ("mean over tokens", SCALE_COLOR, None),
+    "act_prenorm_mean": ("mean before the final norm", SCALE_COLOR, "dot"),
+    "act_prenorm_max": ("max before the final norm", "#9467bd", "dot"),
+}
 
 NO_SCALER_MESSAGE = (
     "No loss scale reported: this run has no enabled GradScaler. "
@@ -66,8 +76,8 @@ def loss_scale_figure(
 ) -> go.Figure:
     """Loss scale on a log2 axis over loss, sharing the step axis.
 
-    Top: the scale as a step line, a dashed line at 1.0 (the healthy floor), a red x at
-    every skipped step, verticals at checkpoints (`checkpoints`: step → the advisor's
+    Top: the scale as a step line, the scale lines the run's rules judge by (`scale_lines`),
+    a red x at every skipped step, verticals at checkpoints (`checkpoints`: step → the advisor's
     verdict, '' when there is none): the recommended restart solid and labelled, rejected
     ones grey. Run-wide alerts shade the span they fired over. Bottom: the loss, with gaps
     and orange triangles (on the top edge of the loss range) where it was NaN or infinite.
@@ -79,9 +89,10 @@ def loss_scale_figure(
     steps = plot_steps(series.step)
     scales = plot_values(series.loss_scale, positive=True)
     shown = scales[~np.isnan(scales)]
-    # 1.0 is always in range: how far the scale sits above it is the point of the chart.
-    low = min(float(shown.min()) if shown.size else HEALTHY_SCALE, HEALTHY_SCALE) / 2
-    high = max(float(shown.max()) if shown.size else HEALTHY_SCALE, HEALTHY_SCALE) * 2
+    lines = scale_lines(series.rule_lines)
+    # The rule lines are always in range: how far the scale sits above them is the point.
+    levels = [*shown.tolist(), *(value for _, value, _ in lines)] or [1.0]
+    low, high = min(levels) / 2, max(levels) * 2
     tick_values, tick_text = log2_ticks(low, high)
     skipped = [i for i, was_skipped in enumerate(series.skipped) if was_skipped]
     losses = plot_values(series.loss)
@@ -120,6 +131,18 @@ def loss_scale_figure(
             "hovertemplate": "%{y:.4g}",
         },
     ]
+    data += [
+        {
+            "type": "scatter",
+            "x": [series.step[0], series.step[-1]],
+            "y": [value, value],
+            "name": name,
+            "mode": "lines",
+            "line": {"dash": dash, "color": "#888888", "width": 1},
+            "hovertemplate": f"{name}: %{{y:.6g}}<extra></extra>",
+        }
+        for name, value, dash in lines
+    ]
     non_finite = [i for i, v in enumerate(series.loss) if v is not None and not math.isfinite(v)]
     if non_finite:
         ceiling = float(np.nanmax(losses)) if not np.isnan(losses).all() else 0.0
@@ -137,18 +160,7 @@ def loss_scale_figure(
                 "hovertemplate": "loss %{customdata}",
             }
         )
-    shapes: list[dict[str, Any]] = [
-        {
-            "type": "line",
-            "xref": "x domain",
-            "x0": 0,
-            "x1": 1,
-            "yref": "y",
-            "y0": HEALTHY_SCALE,
-            "y1": HEALTHY_SCALE,
-            "line": {"dash": "dash", "color": "#888888", "width": 1},
-        }
-    ]
+    shapes: list[dict[str, Any]] = []
     annotations: list[dict[str, Any]] = []
     line: dict[str, Any]
     for step, verdict in sorted((checkpoints or {}).items()):
@@ -343,100 +355,81 @@ def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
     )
 
 
-def baseline_band(
-    values: Sequence[float | None] | np.ndarray, window: int = BAND_POINTS
-) -> tuple[np.ndarray, np.ndarray]:
-    """A robust trailing baseline: median ± `BAND_MADS` · 1.4826 · MAD of the previous
-    `window` finite values (NaN until 8 are seen). A spike sits above it, not inside it.
+def scale_lines(lines: RuleLines | None) -> list[tuple[str, float, str]]:
+    """(legend name, scale, dash) of the loss-scale lines the run's rules judge by:
+    loss_scale_collapse's min_scale, and where the run reported its scaler's floor, that
+    floor and the headroom line above it (a skip below it collapses at once).
 
-    >>> low, high = baseline_band([1.0] * 10 + [50.0])
-    >>> float(low[-1]), float(high[-1]), bool(np.isnan(low[0]))
-    (1.0, 1.0, True)
+    >>> from ampwatch.dashboard.client import RuleLines
+    >>> [name for name, _, _ in scale_lines(RuleLines(None, True, 2.0, 10.0, 128, 50, 1.0,
+    ...                                                2.0**-4, 4, 1.0))]
+    ['min_scale (loss_scale_collapse)', 'scaler floor (run_start)', 'floor x 2^4 (loss_scale_collapse)']
     """
-    finite = plot_values(list(values))
-    seen = np.flatnonzero(~np.isnan(finite))  # positions of the finite values, in order
-    kept = finite[seen]
-    # The band at position i uses the finite values before i: the last `window` of them.
-    before = np.searchsorted(seen, np.arange(len(finite)), side="left")
-    low = np.full(len(finite), np.nan)
-    high = np.full(len(finite), np.nan)
-    if len(kept) < 8:
-        return low, high
-    padded = np.concatenate([np.full(window - 1, np.nan), kept])
-    windows = np.lib.stride_tricks.sliding_window_view(padded, window)  # windows[j]: ..kept[j]
-    medians, sigmas = robust_baseline(windows, axis=1, skip_nan=True)
-    spreads = BAND_MADS * sigmas
-    # The band never reaches below the window's smallest value: a wide spread would
-    # otherwise put its floor at 0, which a log axis cannot draw (the fill would flood).
-    floors = np.nanmin(windows, axis=1)
-    ready = before >= 8
-    at = before[ready] - 1
-    low[ready] = np.maximum(medians[at] - spreads[at], floors[at])
-    high[ready] = medians[at] + spreads[at]
-    return low, high
+    if lines is None:
+        return []
+    drawn = [("min_scale (loss_scale_collapse)", lines.min_scale, "dash")]
+    if lines.scaler_floor is not None and lines.scaler_floor > 0:
+        drawn.append(("scaler floor (run_start)", lines.scaler_floor, "solid"))
+    if lines.floor_headroom_scale is not None and lines.floor_headroom_scale > 0:
+        name = f"floor x 2^{lines.floor_headroom_octaves} (loss_scale_collapse)"
+        drawn.append((name, lines.floor_headroom_scale, "dot"))
+    return [line for line in drawn if line[1] > 0]  # a log axis cannot draw 0
 
 
 def activation_norm_figure(
     series: StepSeries, *, x_range: Sequence[int] | None = None
 ) -> go.Figure:
     """Final-layer activation L2 norm, max and mean over tokens (the OPT-175B precursor),
-    with the max's trailing robust baseline as a shaded band (`baseline_band`), and, where
-    the agent measured it, the mean before the final norm (which caps the norm after it)."""
+    and, where the agent measured it, the mean before the final norm (which caps the norm
+    after it); over the field activation_norm_spike judges, its own firing threshold per
+    step as the collector judged it (`THRESHOLD_TRACE`; its hover names the rule's other
+    conditions: not judged in warm-up calibration nor before min_baseline_steps)."""
     title = "Final-layer activation norm"
     means = plot_values(series.act_norm_mean)
     maxima = plot_values(series.act_norm_max)
     if np.isnan(means).all() and np.isnan(maxima).all():
         return empty_figure(title, "No final-layer activation norm reported for this run yet.")
     steps = plot_steps(series.step)
-    low, high = baseline_band(maxima)
-    data: list[dict[str, Any]] = [
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": low,
-            "mode": "lines",
-            "line": {"width": 0},
-            "showlegend": False,
-            "hoverinfo": "skip",
-            "name": "baseline low",
-        },
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": high,
-            "mode": "lines",
-            "line": {"width": 0},
-            "fill": "tonexty",
-            "fillcolor": "rgba(148, 103, 189, 0.15)",
-            "name": "baseline band (max)",
-            "hoverinfo": "skip",
-        },
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": maxima,
-            "name": "max over tokens",
-            "mode": "lines",
-            "line": {"color": "#9467bd"},
-            "hovertemplate": "%{y:.4g}",
-        },
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": means,
-            "name": "mean over tokens",
-            "mode": "lines",
-            "line": {"color": SCALE_COLOR},
-            "hovertemplate": "%{y:.4g}",
-        },
-    ]
-    prenorm = plot_values(series.act_prenorm_mean)
-    if not np.isnan(prenorm).all():
-        data.append({"type": "scatter", "x": steps, "y": prenorm,
-                     "name": "mean before the final norm", "mode": "lines",
-                     "line": {"color": SCALE_COLOR, "dash": "dot"},
+    lines = series.rule_lines
+    judged = lines.act_field if lines is not None else None
+    data: list[dict[str, Any]] = []
+    drawn: list[np.ndarray] = []
+    for field, (name, color, dash) in ACT_TRACES.items():
+        values = plot_values(getattr(series, field))
+        optional = field.startswith("act_prenorm") and field != judged
+        if optional and (field == "act_prenorm_max" or np.isnan(values).all()):
+            continue  # the pre-norm max is drawn only when it is what the rule judges
+        drawn.append(values)
+        data.append({"type": "scatter", "x": steps, "y": values,
+                     "name": name, "mode": "lines",
+                     "line": {"color": color, "dash": dash},
                      "hovertemplate": "%{y:.4g}"})  # fmt: skip
+    thresholds = plot_values(series.act_threshold, positive=True)
+    if lines is not None and judged is not None and not np.isnan(thresholds).all():
+        judged_name = ACT_TRACES[judged][0]
+        conditions = (
+            f"fires on the {judged_name} at >= {lines.min_ratio:g}x the median of the last "
+            f"{lines.baseline_steps} steps and a robust z > {lines.z_threshold:g}; "
+            f"not judged during warm-up calibration nor before {lines.min_baseline_steps} "
+            "steps of baseline"
+        )
+        data.append(
+            {
+                "type": "scatter",
+                "x": steps,
+                "y": thresholds,
+                "name": THRESHOLD_TRACE,
+                "mode": "lines",
+                "line": {"color": SKIPPED_COLOR, "dash": "dash", "width": 1, "shape": "hv"},
+                "connectgaps": False,
+                "customdata": series.act_above_count,
+                "hovertemplate": "threshold %{y:.4g} (%{customdata} steps above)<br>"
+                + conditions
+                + "<extra></extra>",
+            }
+        )
+        drawn.append(thresholds)
     y_axis: dict[str, Any] = {"title": {"text": "activation L2 norm"}}
-    if not (np.nan_to_num(np.concatenate([means, maxima, prenorm]), nan=1.0) <= 0).any():
+    if not (np.nan_to_num(np.concatenate(drawn), nan=1.0) <= 0).any():
         y_axis["type"] = "log"  # a 50x spike must not flatten the baseline it is judged by
     return _step_figure(title, data, height=320, x_range=x_range, y_axis=y_axis)

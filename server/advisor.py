@@ -60,11 +60,11 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
-from ampwatch.server.alerts.config import run_settings
+from ampwatch.server.alerts.config import settings_of_run
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Run, Step, StepRollup
+from ampwatch.server.models import Alert, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.advisor import (
     DataSkip,
@@ -399,9 +399,9 @@ def run_config(session: Session, run_id: int, **overrides: Any) -> AdvisorConfig
     >>> run_config(session, 7, min_loss_scale=0.5).min_loss_scale  # doctest: +SKIP
     0.5
     """
-    project = session.scalar(select(Run.project).where(Run.id == run_id))
-    if project is not None and "min_loss_scale" not in overrides:
-        collapse = run_settings(session, project=project, run_id=run_id)["loss_scale_collapse"]
+    settings = None if "min_loss_scale" in overrides else settings_of_run(session, run_id)
+    if settings is not None:
+        collapse = settings["loss_scale_collapse"]
         assert isinstance(collapse, LossScaleCollapse)
         overrides["min_loss_scale"] = collapse.min_scale
     return AdvisorConfig(**overrides)

@@ -1,8 +1,9 @@
-"""What healthy looks like, in one place for the alert rules (`ampwatch.server.alerts`), the
-restart advisor (`ampwatch.server.advisor`) and the dashboard's charts: the loss-scale line
-a healthy run stays at or above, and the robust baseline (median and scaled MAD) a spike is
-judged against. numpy only, so the dashboard imports it without the collector's database
-stack.
+"""What healthy looks like, in one place for the alert rules (`ampwatch.server.alerts`) and
+the restart advisor (`ampwatch.server.advisor`): the default loss-scale line a healthy run
+stays at or above, and the robust baseline (median and scaled MAD) a spike is judged
+against. The dashboard computes neither: it draws the lines the collector serves with the
+step series (`ampwatch.server.rule_lines`, `Step.act_threshold`), resolved with each run's
+effective settings.
 
     >>> robust_baseline([1.0, 2.0, 3.0, 100.0])
     (2.5, 1.4826)
@@ -19,8 +20,8 @@ import numpy.typing as npt
 
 #: A loss scale below this is not healthy: DeepSpeed and Megatron floor at 1, and the
 #: OPT-175B team restarted from checkpoints whose scale was still >= 1.0. The default of
-#: `loss_scale_collapse.min_scale` and of the advisor's `min_loss_scale`, and the line the
-#: dashboard draws on the loss-scale chart.
+#: `loss_scale_collapse.min_scale`, which the advisor and the charts take as the run's
+#: effective setting (`alerts.config.settings_of_run`).
 HEALTHY_LOSS_SCALE = 1.0
 #: MAD of normally distributed values times this is their standard deviation.
 MAD_TO_SIGMA = 1.4826

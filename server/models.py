@@ -253,6 +253,13 @@ class Step(Base):
     #: The activation norm of the final norm's input (the last block's output).
     act_prenorm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    #: `activation_norm_spike`'s firing threshold for the value it judged at this step, as
+    #: the rule engine computed it at ingest with the run's effective settings
+    #: (`ampwatch.server.alerts.activation.firing_threshold`); NULL where it judged nothing
+    #: (rule off, warm-up calibration, baseline too short, a non-finite norm).
+    act_threshold: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    #: The rule judged this step's value above its threshold (NULL: not judged).
+    act_above: Mapped[bool | None] = mapped_column(Boolean)
     #: Every param group's lr when there is more than one: packed little-endian float64
     #: (`ampwatch.server.packed`), NaN and Inf kept; NULL with a single group.
     lr_groups: Mapped[bytes | None] = mapped_column(LargeBinary)
@@ -286,6 +293,11 @@ class _StepExtremes:
     act_prenorm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    #: `Step.act_threshold`'s extremes and the steps judged above it: the series draws the
+    #: bucket's minimum threshold where a step was above, else its maximum.
+    act_threshold_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_threshold_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    act_above_count: Mapped[int] = mapped_column(Integer, server_default="0")
 
 
 class StepRollup(_StepExtremes, Base):

@@ -1,6 +1,8 @@
-"""Step rollups: min, max and skip count of every step field per `ROLLUP_WIDTH` steps.
+"""Step rollups: min, max and skip count of every step field per `ROLLUP_WIDTH` steps, and
+activation_norm_spike's threshold (min, max, steps judged above: `THRESHOLD_COLUMNS`).
 
-Written by ingest (`refresh_step_rollups`, in the batch's transaction), read by the
+Written by ingest (`refresh_step_rollups`, in the batch's transaction, after the rule
+engine wrote its per-step thresholds onto the steps), read by the
 downsampled step series (`ampwatch.server.series`). A rollup row is always recomputed from
 the raw `steps` rows of its bucket, never merged incrementally, so a step re-sent with a
 new value cannot leave a stale extreme behind, and NaN ordering is the database's own
@@ -32,39 +34,53 @@ from ampwatch.server.models import RunStepTotals, Step, StepRollup, StepRollupLe
 #: batch of the agent's (up to 2,000 records) touches a few dozen buckets.
 ROLLUP_WIDTH = FINEST
 
-#: Rollup columns in table order after the key, as (name, aggregate over raw steps).
-ROLLUP_COLUMNS: tuple[str, ...] = (
+#: The rollup columns up to migration 0012 (its backfill writes only these), as
+#: (name, aggregate over raw steps) in table order after the key.
+EXTREME_COLUMNS: tuple[str, ...] = (
     "first_step",
     "last_step",
     "skipped_count",
     *(f"{field}_{extreme}" for field in STEP_FLOAT_FIELDS for extreme in ("min", "max")),
 )
 
+#: `activation_norm_spike`'s threshold per bucket (0013): its extremes and the steps judged
+#: above it, from `Step.act_threshold` / `act_above` (written by the rule engine).
+THRESHOLD_COLUMNS: tuple[str, ...] = ("act_threshold_min", "act_threshold_max", "act_above_count")
 
-def step_aggregates() -> list[Any]:
-    """SELECT expressions aggregating raw steps into the order of `ROLLUP_COLUMNS`."""
-    columns: list[Any] = [
-        func.min(Step.step),
-        func.max(Step.step),
-        func.sum(case((Step.skipped, 1), else_=0), type_=Integer),
-    ]
-    for field in STEP_FLOAT_FIELDS:
-        column = getattr(Step, field)
-        columns += [func.min(column), func.max(column)]
-    return columns
+#: Every rollup column after the key.
+ROLLUP_COLUMNS: tuple[str, ...] = EXTREME_COLUMNS + THRESHOLD_COLUMNS
 
 
-def rollup_aggregates(source: type[StepRollup | StepRollupLevel]) -> list[Any]:
-    """SELECT expressions combining rollup rows of `source` into `ROLLUP_COLUMNS` order."""
-    columns: list[Any] = [
-        func.min(source.first_step),
-        func.max(source.last_step),
-        func.sum(source.skipped_count),
-    ]
-    for name in ROLLUP_COLUMNS[3:]:
+def _raw_aggregate(name: str) -> Any:
+    if name in ("first_step", "last_step"):
+        return (func.min if name == "first_step" else func.max)(Step.step)
+    if name.endswith("_count"):
+        flag = Step.skipped if name == "skipped_count" else Step.act_above.is_(True)
+        return func.sum(case((flag, 1), else_=0), type_=Integer)
+    field, extreme = name.rsplit("_", 1)
+    return (func.min if extreme == "min" else func.max)(getattr(Step, field))
+
+
+def step_aggregates(columns: tuple[str, ...] = ROLLUP_COLUMNS) -> list[Any]:
+    """SELECT expressions aggregating raw steps into the order of `columns`."""
+    return [_raw_aggregate(name) for name in columns]
+
+
+def rollup_aggregates(
+    source: type[StepRollup | StepRollupLevel], columns: tuple[str, ...] = ROLLUP_COLUMNS
+) -> list[Any]:
+    """SELECT expressions combining rollup rows of `source` into `columns` order: minima
+    of minima, maxima of maxima, sums of counts, so every level equals the raw steps'."""
+    combined: list[Any] = []
+    for name in columns:
         column = getattr(source, name)
-        columns.append(func.min(column) if name.endswith("_min") else func.max(column))
-    return columns
+        if name.endswith("_count"):
+            combined.append(func.sum(column))
+        elif name.endswith("_min") or name == "first_step":
+            combined.append(func.min(column))
+        else:
+            combined.append(func.max(column))
+    return combined
 
 
 def level_source(level: int) -> tuple[type[StepRollup | StepRollupLevel], list[Any]]:
@@ -74,24 +90,27 @@ def level_source(level: int) -> tuple[type[StepRollup | StepRollupLevel], list[A
     return StepRollupLevel, [StepRollupLevel.level == level]
 
 
-def level_rows(session: Session, level: int, *where: Any) -> Any:
+def level_rows(
+    session: Session, level: int, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS
+) -> Any:
     """An INSERT .. SELECT upserting the `level`-step rollups from the level below's rows
-    that match `where` (terms on the below level's table, given by `level_source`)."""
+    that match `where` (terms on the below level's table, given by `level_source`);
+    `columns`: a migration's own set (0012 predates `THRESHOLD_COLUMNS`)."""
     source, of_level = level_source(level // LEVEL_FACTOR)
     bucket = (source.bucket_start // level) * level
     rows = (
         select(
             source.run_id, source.rank, literal(level, Integer), bucket,
-            *rollup_aggregates(source), func.sum(source.step_count),
+            *rollup_aggregates(source, columns), func.sum(source.step_count),
         )
         .where(*of_level, *where)
         .group_by(source.run_id, source.rank, bucket)
     )  # fmt: skip
-    columns = ["run_id", "rank", "level", "bucket_start", *ROLLUP_COLUMNS, "step_count"]
-    statement = dialect_insert(session, StepRollupLevel).from_select(columns, rows)
+    names = ["run_id", "rank", "level", "bucket_start", *columns, "step_count"]
+    statement = dialect_insert(session, StepRollupLevel).from_select(names, rows)
     return statement.on_conflict_do_update(
         index_elements=["run_id", "rank", "level", "bucket_start"],
-        set_={name: statement.excluded[name] for name in (*ROLLUP_COLUMNS, "step_count")},
+        set_={name: statement.excluded[name] for name in (*columns, "step_count")},
     )
 
 

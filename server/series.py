@@ -55,6 +55,19 @@ class _Bucket:
     last: int
     skipped: int
     extremes: list[float | None]  # per STEP_FLOAT_FIELDS: min, max, min, max, ...
+    threshold: list[float | None]  # activation_norm_spike's: min, max
+    above: int  # steps judged above it
+
+    @property
+    def drawn_threshold(self) -> float | None:
+        """The bucket's line: its minimum threshold where a step was above it, else its
+        maximum. Against the bucket's maximum value (its second point) that is exact both
+        ways: a step above its threshold is above every smaller one, so the point is above
+        the line; with none above, every value is at most its own threshold, so the maximum
+        is at most the largest. A single minimum or maximum would draw steps as above that
+        the rule judged below, or the reverse. (A bucket whose maximum is NaN draws a gap
+        there: NaN wins the maximum, and the rule never judges a non-finite norm.)"""
+        return self.threshold[0] if self.above else self.threshold[1]
 
 
 def _nan_min(a: float | None, b: float | None) -> float | None:
@@ -74,16 +87,20 @@ def _nan_max(a: float | None, b: float | None) -> float | None:
 
 
 def _merge(buckets: dict[int, _Bucket], rows: Any) -> None:
-    for key, first, last, skipped, *extremes in rows:
+    """Add rows of (key, *ROLLUP_COLUMNS) into their buckets."""
+    for key, first, last, skipped, *extremes, low, high, above in rows:
         old = buckets.get(key)
         if old is None:
-            buckets[key] = _Bucket(first, last, skipped or 0, list(extremes))
+            buckets[key] = _Bucket(first, last, skipped or 0, list(extremes), [low, high],
+                                   above or 0)  # fmt: skip
             continue
         old.first, old.last = min(old.first, first), max(old.last, last)
         old.skipped += skipped or 0
+        old.above += above or 0
         for i, value in enumerate(extremes):
             merge = _nan_min if i % 2 == 0 else _nan_max
             old.extremes[i] = merge(old.extremes[i], value)
+        old.threshold = [_nan_min(old.threshold[0], low), _nan_max(old.threshold[1], high)]
 
 
 def _step_bounds(
@@ -204,6 +221,8 @@ def _columns(
     skipped: list[bool] = []
     skipped_count: list[int] = []
     floats: dict[str, list[WireFloat | None]] = {name: [] for name in STEP_FLOAT_FIELDS}
+    thresholds: list[WireFloat | None] = []
+    above: list[int] = []
     for bucket in buckets:
         points = (
             [(bucket.first, 0)]
@@ -218,11 +237,14 @@ def _columns(
             count = bucket.skipped if extreme == 0 else 0
             skipped.append(count > 0)
             skipped_count.append(count)
+            above.append(bucket.above if extreme == 0 else 0)
+            thresholds.append(encode_float(bucket.drawn_threshold))
             for i, name in enumerate(STEP_FLOAT_FIELDS):
                 floats[name].append(encode_float(bucket.extremes[2 * i + extreme]))
     columns: dict[str, Any] = {
         "step": steps, "skipped": skipped, "skipped_count": skipped_count, "bucket_width": width,
-        "lr_groups": [lr_groups.get(step) for step in steps], **floats,
+        "lr_groups": [lr_groups.get(step) for step in steps], "act_threshold": thresholds,
+        "act_above_count": above, **floats,
     }  # fmt: skip
     return StepSeries.model_construct(**columns)
 

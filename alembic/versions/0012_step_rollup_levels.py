@@ -54,13 +54,13 @@ def upgrade() -> None:
 
 def _backfill() -> None:
     from ampwatch.server.layer_rollups import LAYER_LEVELS
-    from ampwatch.server.rollups import level_rows
+    from ampwatch.server.rollups import EXTREME_COLUMNS, level_rows
 
     # A session only to build and run the statements in the migration's transaction,
     # which it joins and leaves to alembic to commit.
     with Session(bind=op.get_bind()) as session:
         for level in LAYER_LEVELS[1:]:
-            session.execute(level_rows(session, level))
+            session.execute(level_rows(session, level, columns=EXTREME_COLUMNS))
 
 
 def downgrade() -> None:

@@ -1,6 +1,6 @@
 """Compare (`/compare?runs=1,2`): two or more runs overlaid on one step axis -- loss, loss
-scale (log2, with the 1.0 line) and final-layer activation norm. `?runs=` preselects runs,
-so a comparison can be linked."""
+scale (log2, with each run's effective min_scale line) and final-layer activation norm.
+`?runs=` preselects runs, so a comparison can be linked."""
 
 from __future__ import annotations
 

@@ -1,8 +1,8 @@
 """Run page (`/run/<id>`): is every layer still learning, is the scale healthy, where to restart.
 
-Charts: loss scale (log2, the 1.0 line, skipped steps, checkpoints with the advisor's
-verdicts) over the loss; skip rate; gradient norm; final-layer activation norm with its
-baseline band; a layers × steps heatmap (zero-gradient fraction, FP16-subnormal share or
+Charts: loss scale (log2, the scale lines the run's rules judge by, skipped steps,
+checkpoints with the advisor's verdicts) over the loss; skip rate; gradient norm;
+final-layer activation norm with activation_norm_spike's own threshold; a layers × steps heatmap (zero-gradient fraction, FP16-subnormal share or
 flush-to-zero forecast; click a row for the layer's page); the alerts as a timeline with
 their explanations; the checkpoints with the restart advisor's verdicts.
 
@@ -324,6 +324,7 @@ def update_run_data(
     elif new_steps.step:
         for name in STEP_COLUMNS:
             patch["steps"][name].extend(new[name])
+        patch["steps"]["rule_lines"] = new["rule_lines"]  # an override may have moved them
     if new_steps.step:
         moved.update(
             last_step=new_steps.step[-1],

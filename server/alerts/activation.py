@@ -1,7 +1,15 @@
 """`activation_norm_spike`: the final layer's activation norm against its own robust rolling
 baseline (median and MAD of the last `baseline_steps` finite norms, computed per step and
 vectorised over a batch), escalated to critical when the loss scale falls with it (the
-OPT-175B divergence signature)."""
+OPT-175B divergence signature).
+
+What it judged is stored with each step (`Step.act_threshold`, `act_above`: the engine
+returns it, ingest writes it), and that is the line the activation-norm chart draws: the
+chart cannot disagree with the rule, and no second baseline exists to drift from it.
+
+>>> firing_threshold(10.0, 1.0, rules.ActivationNormSpike())  # 2 x 10 > 10 + 10 x 1
+20.0
+"""
 
 from __future__ import annotations
 
@@ -20,19 +28,37 @@ from ampwatch.server.models import Severity
 from ampwatch.server.schemas.wire import StepIn
 
 
-def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
-    """The step's norm to judge: before the final norm when the agent measured it (the norm
-    holds a divergence down after it: on the lr blow-up scenario the value before it
-    reached x2 its median 9 steps earlier), the signal before the other statistic. An agent measures the pre-norm value on every step or on
-    none, so one run's baseline is never a mix."""
+def judged_fields(rule: rules.ActivationNormSpike) -> tuple[str, ...]:
+    """The step fields the rule judges, first reported first: before the final norm when
+    the agent measured it (the norm holds a divergence down after it: on the lr blow-up
+    scenario the value before it reached x2 its median 9 steps earlier), the signal before
+    the other statistic. An agent measures the pre-norm value on every step or on none, so
+    one run's baseline is never a mix.
+
+    >>> judged_fields(rules.ActivationNormSpike())[0]
+    'act_prenorm_mean'
+    """
     other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
     names = (rule.signal, other)
-    for name in [n.replace("act_norm", "act_prenorm") for n in names] + list(names):
+    return (*(n.replace("act_norm", "act_prenorm") for n in names), *names)
+
+
+def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
+    """The step's norm to judge (`judged_fields`)."""
+    for name in judged_fields(rule):
         raw: WireFloat | None = getattr(record, name)
         if raw is not None:
             value: float | None = decode_float(raw)
             return value
     return None
+
+
+def firing_threshold(median: float, mad: float, rule: rules.ActivationNormSpike) -> float:
+    """The value above which a step spikes against a baseline of (`median`, scaled `mad`):
+    at least min_ratio x the median and, with a spread, more than z_threshold robust
+    deviations above it (`activation_spike`'s test, as one number to draw)."""
+    ratio = rule.min_ratio * median
+    return ratio if mad == 0 else max(ratio, median + rule.z_threshold * mad)
 
 
 def act_baselines(
@@ -80,7 +106,8 @@ def activation_spike(
     value: float,
     baseline: tuple[float, float] | None,
     rule: rules.ActivationNormSpike,
-) -> None:
+) -> tuple[float, bool] | None:
+    """Judge step `s`'s `value`; returns (its firing threshold, spiking) when it judged."""
     falling = _scale_falling(d, s, rule)
     # The scale falls just after a spike: the same incident, now the OPT-175B signature.
     recent_spike = d.last_spike is not None and s - d.last_spike <= rule.scale_fall_window
@@ -90,14 +117,15 @@ def activation_spike(
     # A non-finite norm is a NaN/Inf forward pass: nan_loss's (or the skip's) business,
     # not a spike; it neither holds nor clears this rule.
     if baseline is None or d.calibrating or not math.isfinite(value):
-        return
+        return None
     median, mad = baseline
+    threshold = firing_threshold(median, mad, rule)
     spiking = value >= rule.min_ratio * median and (
         mad == 0 or (value - median) / mad > rule.z_threshold
     )
     if not spiking:
         tracker.clear("activation_norm_spike", s)
-        return
+        return threshold, False
     d.last_spike = s
     d.last_spike_value = value
     z = (value - median) / mad if mad > 0 else None
@@ -120,6 +148,7 @@ def activation_spike(
         }  # fmt: skip
 
     tracker.holds("activation_norm_spike", s, detail, severity=severity)
+    return threshold, True
 
 
 def _escalated(d: StepState) -> tuple[str, dict[str, Any]]:

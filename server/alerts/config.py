@@ -32,7 +32,7 @@ from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.alerts.rules import RULES, RuleSettings
-from ampwatch.server.models import AlertConfig
+from ampwatch.server.models import AlertConfig, Run
 
 if sys.version_info >= (3, 11):
     import tomllib
@@ -180,3 +180,10 @@ def run_settings(session: Session, *, project: str, run_id: int) -> dict[str, Ru
     """The effective settings of run `run_id` of `project`."""
     project_rules, run_rules = stored_overrides(session, project=project, run_id=run_id)
     return effective_settings(file_rules(session), project, project_rules, run_rules)
+
+
+def settings_of_run(session: Session, run_id: int) -> dict[str, RuleSettings] | None:
+    """`run_settings` of run `run_id` looked up by id (None: no such run): what the rule
+    engine judges it by, and so what the advisor and the charts must use too."""
+    project = session.scalar(select(Run.project).where(Run.id == run_id))
+    return None if project is None else run_settings(session, project=project, run_id=run_id)

@@ -1,7 +1,9 @@
 """Incremental evaluation of a run's alert rules, one ingested batch at a time.
 
-`evaluate_batch` runs inside the ingest transaction, after the batch is stored and with the
-run row locked (which serialises the collector's workers on the run). It reads the run's
+`evaluate_batch` runs inside the ingest transaction, with the run row locked (which
+serialises the collector's workers on the run), before the batch's rows are stored: it
+reads only its own state, and returns activation_norm_spike's threshold and verdict per
+judged step (`Judged`), which ingest stores in the step rows for the chart to draw. It reads the run's
 `alert_state` rows, open alerts and threshold overrides (three queries), evaluates the
 batch's own records against that state, and writes the state back: the cost of a batch
 depends on the batch and the run's layer count, never on how long the run is.
@@ -63,23 +65,31 @@ STEPS_KEY = "steps"
 LAYERS_KEY = "layers"
 
 
-def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime) -> None:
-    """Evaluate every rule of `run` on `batch` (already stored) and move its alerts.
+#: What activation_norm_spike judged in a batch: (rank, step, firing threshold, above),
+#: for ingest to store with the steps (`Step.act_threshold`, `act_above`).
+Judged = list[tuple[int, int, float, bool]]
+
+
+def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime) -> Judged:
+    """Evaluate every rule of `run` on `batch` and move its alerts;
+    returns what activation_norm_spike judged, per step, for the chart to draw.
 
     Call inside the ingest transaction, with the run locked; the caller commits. Runs in a
     SAVEPOINT: should evaluation ever fail, it is logged and undone, and the batch is still
     stored -- a bug here must never make an agent retry (and then drop) its data.
 
     >>> evaluate_batch(session, run, batch, now=utcnow())  # doctest: +SKIP
+    [(0, 61, 8.52, False), ...]
     """
     try:
         with session.begin_nested():
-            _evaluate(session, run, batch, now)
+            return _evaluate(session, run, batch, now)
     except Exception:
         logger.exception("alert evaluation of run %s failed; its batch is stored", run.id)
+        return []
 
 
-def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None:
+def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judged:
     settings = run_settings(session, project=run.project, run_id=run.id)
     rows = {
         row.key: row
@@ -104,13 +114,14 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> None
     # step and before later ones, so every rule sees the state as of its own step and the
     # alerts do not depend on how the agent cut its batches.
     samples = LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
-    _evaluate_steps(tracker, steps_state, batch.steps, settings, samples)
+    judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples)
     samples.judge_until(None)
     tracker.finish(steps_state.last_step)
 
     _save(session, rows, run.id, STEPS_KEY, steps_state.to_json(), now)
     if layers_state is not None:
         _save(session, rows, run.id, LAYERS_KEY, layers_state.data, now)
+    return judged
 
 
 def _save(
@@ -195,10 +206,11 @@ def _evaluate_steps(
     records: list[StepIn],
     settings: dict[str, rules.RuleSettings],
     samples: LayerSamples | None = None,
-) -> None:
+) -> Judged:
     """Run the scalar rules over the batch's steps, step by step; before each step, the
     layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
-    (skipped, or a non-finite loss) go to `samples.bad_steps` for the underflow rules."""
+    (skipped, or a non-finite loss) go to `samples.bad_steps` for the underflow rules.
+    Returns activation_norm_spike's judgements (`Judged`)."""
     collapse: rules.LossScaleCollapse = settings["loss_scale_collapse"]  # type: ignore[assignment]
     skip_rate: rules.SkipRate = settings["skip_rate"]  # type: ignore[assignment]
     spike: rules.ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
@@ -214,6 +226,7 @@ def _evaluate_steps(
     values = [act_value(record, spike) for record in steps] if spike.enabled else []
     baselines = act_baselines(d.act, values, spike)
     new_act: list[float] = []
+    judged: Judged = []
     for i, record in enumerate(steps):
         s = record.step
         if samples is not None:
@@ -300,10 +313,13 @@ def _evaluate_steps(
         if spike.enabled:
             value = values[i]
             if value is not None:
-                activation_spike(tracker, d, s, value, baselines[i], spike)
+                judgement = activation_spike(tracker, d, s, value, baselines[i], spike)
+                if judgement is not None:
+                    judged.append((record.rank, s, *judgement))
                 if math.isfinite(value):
                     new_act.append(value)
         d.last_step = s
 
     if new_act:
         d.act = (d.act + new_act)[-spike.baseline_steps :]
+    return judged

@@ -82,6 +82,13 @@ class StepState:
     #: underflow forecast (at S = 1) is its own risk.
     fp16_without_scaler: bool = False
 
+    @staticmethod
+    def reported_floor(data: dict[str, Any] | None) -> float | None:
+        """`min_loss_scale` of a stored state, without loading the rest (a reader of that
+        one value: the charts' rule lines, on every step-series read)."""
+        floor = (data or {}).get("min_loss_scale")
+        return float(floor) if isinstance(floor, (int, float)) else None
+
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> StepState:
         data = copy.deepcopy(data) if data else {}

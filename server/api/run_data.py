@@ -20,6 +20,7 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
 from ampwatch.server import history, queries, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
     CheckpointsPublic,
     EventsPublic,
@@ -58,8 +59,11 @@ MaxPointsQuery = Annotated[
 
 def _json(answer: BaseModel) -> Response:
     """The answer written by orjson, skipping FastAPI's re-validation of the return value
-    (the response model stays declared on the route, for OpenAPI)."""
-    return Response(orjson.dumps(dict(answer)), media_type="application/json")
+    (the response model stays declared on the route, for OpenAPI); a nested model (a step
+    series' `rule_lines`) is dumped as pydantic would."""
+    return Response(
+        orjson.dumps(dict(answer), default=BaseModel.model_dump), media_type="application/json"
+    )
 
 
 def _known_stat(stat: str) -> str:
@@ -93,10 +97,11 @@ def get_steps(
     end: EndQuery = None,
     max_points: MaxPointsQuery = DEFAULT_MAX_POINTS,
 ) -> Response:
-    """One rank's steps as columns ordered by step, min/max-downsampled beyond max_points."""
-    return _json(
-        series.step_series(session, run_id, rank, start=start, end=end, max_points=max_points)
-    )
+    """One rank's steps as columns ordered by step, min/max-downsampled beyond max_points,
+    with activation_norm_spike's threshold per point and the run's rule lines."""
+    answer = series.step_series(session, run_id, rank, start=start, end=end, max_points=max_points)
+    answer.rule_lines = rule_lines(session, run_id, answer)
+    return _json(answer)
 
 
 @router.get("/{run_id}/layers", response_model=LayerMatrix)

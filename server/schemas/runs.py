@@ -77,12 +77,51 @@ class RunEnd(BaseModel):
     reason: Name | None = None
 
 
+class ActivationRuleLine(BaseModel):
+    """What `activation_norm_spike` judges this run by (its effective settings)."""
+
+    enabled: bool
+    #: The step field it judges (`alerts.activation.judged_fields`: the first of them this
+    #: answer holds), or null when the answer holds none.
+    field: str | None
+    min_ratio: float
+    z_threshold: float
+    baseline_steps: int
+    min_baseline_steps: int
+
+
+class ScaleRuleLines(BaseModel):
+    """The loss-scale lines the rules judge this run by: `loss_scale_collapse.min_scale`,
+    and, when the followed process's run_start reported its scaler's floor, that floor and
+    `floor_headroom_octaves` above it (a skip below that line collapses at once)."""
+
+    min_scale: float
+    scaler_floor: float | None = None
+    floor_headroom_octaves: int
+    floor_headroom_scale: float | None = None
+
+
+class RuleLines(BaseModel):
+    """The run's rule lines, resolved as the rule engine resolves its settings (run >
+    project > alerts file > default: `ampwatch.server.alerts.config`), for the charts."""
+
+    activation: ActivationRuleLine
+    loss_scale: ScaleRuleLines
+
+
 class StepSeries(BaseModel):
     """Columnar steps of one rank, ordered by step; floats in the wire encoding.
 
     With `bucket_width` > 1 the run was min/max-downsampled (`ampwatch.server.series`):
     each bucket of that many steps is two points, (first step, minima) and (last step,
     maxima); `skipped_count[i]` is the number of skipped steps point i stands for.
+
+    `act_threshold[i]`: `activation_norm_spike`'s firing threshold, as the rule engine
+    computed it at ingest, for the value it judged (`rule_lines.activation.field`); in a
+    bucket, its minimum where a step was judged above it, else its maximum, so the bucket's
+    maximum is above the line exactly when one of its steps was judged above
+    (`act_above_count[i]`, on the bucket's first point). null where the rule judged
+    nothing (off, warm-up calibration, a short baseline, a non-finite norm).
     """
 
     step: list[int]
@@ -103,6 +142,10 @@ class StepSeries(BaseModel):
     #: Per point: every param group's lr, or null for a step with one group and for every
     #: point of a downsampled answer (`bucket_width` > 1).
     lr_groups: list[list[WireFloat] | None] = Field(default_factory=list)
+    act_threshold: list[WireFloat | None] = Field(default_factory=list)
+    act_above_count: list[int] = Field(default_factory=list)
+    #: Null only from `ampwatch.server.series` alone; the endpoint always sets it.
+    rule_lines: RuleLines | None = None
 
 
 class LayerMatrix(BaseModel):

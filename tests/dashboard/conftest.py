@@ -41,6 +41,25 @@ def steps_json() -> dict[str, Any]:
         "lr": [1e-3] * 6,
         "act_norm_mean": [7.9, 8.0, 8.1, "Infinity", 8.3, 8.4],
         "act_norm_max": [11.2, 11.0, 12.5, 13.0, 40.0, 12.0],
+        # activation_norm_spike judged steps 3-6 (the ring was short before); 5 spiked.
+        "act_threshold": [None, None, 16.2, 16.0, 16.4, 16.6],
+        "act_above_count": [0, 0, 0, 0, 1, 0],
+        "rule_lines": {
+            "activation": {
+                "field": "act_norm_max",
+                "enabled": True,
+                "min_ratio": 2.0,
+                "z_threshold": 10.0,
+                "baseline_steps": 128,
+                "min_baseline_steps": 2,
+            },
+            "loss_scale": {
+                "min_scale": 1.0,
+                "scaler_floor": None,
+                "floor_headroom_octaves": 4,
+                "floor_headroom_scale": None,
+            },
+        },
     }
 
 

@@ -283,7 +283,10 @@ def test_fetch_keeps_nan_apart_from_null_in_the_store(
     assert math.isnan(StepSeries.from_json(data["steps"]).loss[4])  # type: ignore[arg-type]
     view = render_run(data)
     loss_scale, _skip_rate, _grad_norm, activation, heatmap, _alerts = view[1:7]
-    assert [len(f.data) for f in (loss_scale, activation, heatmap)] == [4, 4, 1]
+    # Loss scale: scale, skips, loss, non-finite loss and the min_scale line (a trace now,
+    # named; it was an unnamed shape); activation: max, mean and the rule's threshold (the
+    # band's two traces are gone).
+    assert [len(f.data) for f in (loss_scale, activation, heatmap)] == [5, 3, 1]
     assert view[-1] == {}
 
 

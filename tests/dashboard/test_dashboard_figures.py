@@ -45,12 +45,25 @@ def test_loss_scale_axis_is_log_with_power_of_two_ticks(series: StepSeries) -> N
     assert 10**low < 1.0 and 10**high > 65536.0
 
 
-def test_loss_scale_has_dashed_line_at_one(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(series)
-    lines = [s for s in figure.layout.shapes if s.y0 == 1.0 and s.y1 == 1.0]
-    assert len(lines) == 1
-    assert lines[0].line.dash == "dash"
-    assert lines[0].yref == "y"  # on the loss-scale row, not the loss row
+def test_loss_scale_draws_the_lines_the_collector_says_its_rules_use(
+    series: StepSeries,
+) -> None:
+    """Was: a dashed line at the constant 1.0. Now the run's effective min_scale, and the
+    scaler floor and headroom line when the run reported a floor, each named."""
+    line = trace(step_figures.loss_scale_figure(series), "min_scale (loss_scale_collapse)")
+    assert values(line.y) == [1.0, 1.0] and line.line.dash == "dash"
+    assert line.yaxis in (None, "y")  # on the loss-scale row, not the loss row
+    assert series.rule_lines is not None
+    moved = replace(series, rule_lines=replace(series.rule_lines, min_scale=0.25,
+                                                scaler_floor=2.0**-4, floor_headroom_scale=1.0))  # fmt: skip
+    figure = step_figures.loss_scale_figure(moved)
+    assert values(trace(figure, "min_scale (loss_scale_collapse)").y) == [0.25, 0.25]
+    assert values(trace(figure, "scaler floor (run_start)").y) == [2.0**-4] * 2
+    assert values(trace(figure, "floor x 2^4 (loss_scale_collapse)").y) == [1.0, 1.0]
+    assert 10 ** figure.layout.yaxis.range[0] < 2.0**-4  # every line in range
+    # No rule lines (a collector before them): nothing is drawn as if it were the rule's.
+    bare = step_figures.loss_scale_figure(replace(series, rule_lines=None))
+    assert not [t for t in bare.data if "loss_scale_collapse" in (t.name or "")]
 
 
 def test_run_without_scaler_says_so_instead_of_empty_axes(steps_json: dict[str, Any]) -> None:
@@ -371,12 +384,24 @@ def test_grad_norm_after_clipping_is_a_second_trace(steps_json: dict[str, Any]) 
     assert values(figure.data[1].y) == [1.0, 0.9, None, 0.8, None, 0.5]
 
 
-def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
-    norms = [10.0 + 0.1 * (i % 5) for i in range(100)] + [60.0]
-    low, high = step_figures.baseline_band(norms)
-    assert math.isnan(low[0]) and math.isnan(high[7])  # fewer than 8 values before
-    assert low[50] <= norms[50] < high[50]
-    assert norms[-1] > high[-1] * 3  # the spike is judged against what came before
+def test_activation_threshold_is_the_collectors_named_and_says_the_rules_conditions(
+    series: StepSeries,
+) -> None:
+    """Replaces the dashboard's own baseline band (a median +- 4 MAD over the plotted
+    points, which no alert used): the line is the threshold the rule engine judged."""
+    figure = step_figures.activation_norm_figure(series)
+    line = trace(figure, step_figures.THRESHOLD_TRACE)
+    assert values(line.y) == [None, None, 16.2, 16.0, 16.4, 16.6]
+    assert list(line.customdata) == [0, 0, 0, 0, 1, 0]
+    for condition in ("max over tokens", "2x the median of the last 128", "z > 10",
+                      "warm-up calibration", "before 2 steps"):  # fmt: skip
+        assert condition in line.hovertemplate
+    maxima = values(trace(figure, "max over tokens").y)
+    above = [i for i, t in enumerate(values(line.y)) if t is not None and maxima[i] > t]
+    assert above == [4]  # the one point above the line is the step the rule judged above
+    assert step_figures.THRESHOLD_TRACE not in [
+        t.name for t in step_figures.activation_norm_figure(replace(series, rule_lines=None)).data
+    ]
 
 
 @pytest.mark.parametrize(
@@ -454,6 +479,10 @@ def test_compare_overlays_runs_on_one_step_axis(series: StepSeries) -> None:
     assert figure.data[0].line.color != figure.data[3].line.color
     assert figure.layout.yaxis2.type == "log" and "2<sup>0</sup>" in figure.layout.yaxis2.ticktext
     assert 10 ** figure.layout.yaxis2.range[0] <= 0.125  # both runs' scales in range
-    (one,) = figure.layout.shapes
+    (one,) = figure.layout.shapes  # `series`'s min_scale; `other` served no rule lines
     assert (one.y0, one.yref) == (1.0, "y2")
+    assert series.rule_lines is not None
+    strict = replace(series, rule_lines=replace(series.rule_lines, min_scale=8.0))
+    both = compare_figures.compare_figure([("a", series), ("c", strict)])
+    assert sorted(s.y0 for s in both.layout.shapes) == [1.0, 8.0]  # each run's own line
     assert "Pick two" in compare_figures.compare_figure([]).layout.annotations[0].text

@@ -62,7 +62,8 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert set(series) == {
         "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
         "act_norm_max", "grad_norm_clipped", "act_prenorm_mean", "act_prenorm_max",
-        "skipped_count", "bucket_width", "lr_groups",
+        "skipped_count", "bucket_width", "lr_groups", "act_threshold", "act_above_count",
+        "rule_lines",
     }  # fmt: skip
     assert series["grad_norm_clipped"] == [None] * 5
     assert series["act_prenorm_mean"] == series["act_prenorm_max"] == [None] * 5
