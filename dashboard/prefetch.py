@@ -35,9 +35,15 @@ class Prefetcher(Generic[K, V]):
     first caller that asks for it within `FRESH_SECONDS`, else None (read it yourself)."""
 
     def __init__(
-        self, read: Callable[[K], V], *, fresh_seconds: float = FRESH_SECONDS, most: int = MOST
+        self,
+        read: Callable[[K], V],
+        *,
+        fresh_seconds: float = FRESH_SECONDS,
+        most: int = MOST,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._read = read
+        self._clock = clock
         self._fresh = fresh_seconds
         self._most = most
         self._pending: dict[K, tuple[float, Future[V]]] = {}
@@ -50,12 +56,12 @@ class Prefetcher(Generic[K, V]):
                 return
             while len(self._pending) >= self._most:
                 del self._pending[next(iter(self._pending))]
-            self._pending[key] = (time.monotonic(), self._pool.submit(self._read, key))
+            self._pending[key] = (self._clock(), self._pool.submit(self._read, key))
 
     def take(self, key: K) -> V | None:
         with self._lock:
             started, future = self._pending.pop(key, (0.0, None))
-        if future is None or time.monotonic() - started > self._fresh:
+        if future is None or self._clock() - started > self._fresh:
             return None
         try:
             return future.result()

@@ -9,7 +9,6 @@ import hashlib
 import io
 import tarfile
 import threading
-import time
 from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
@@ -168,13 +167,16 @@ def test_prefetch_hands_a_fresh_result_to_one_taker_only() -> None:
         calls.append(run_id)
         return {"run": run_id}
 
-    prefetcher: Prefetcher[int, dict[str, int]] = Prefetcher(read, fresh_seconds=0.2, most=2)
+    now = [0.0]
+    prefetcher: Prefetcher[int, dict[str, int]] = Prefetcher(
+        read, fresh_seconds=0.2, most=2, clock=lambda: now[0]
+    )
     prefetcher.start(1)
     prefetcher.start(1)  # already on its way: not read twice
     assert prefetcher.take(1) == {"run": 1} and prefetcher.take(1) is None
     assert calls == [1]
     prefetcher.start(2)
-    time.sleep(0.3)
+    now[0] += 0.3
     assert prefetcher.take(2) is None  # stale: the caller reads fresh data itself
     for run_id in (3, 4, 5):
         prefetcher.start(run_id)
