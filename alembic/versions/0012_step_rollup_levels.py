@@ -60,7 +60,7 @@ def _backfill() -> None:
     # which it joins and leaves to alembic to commit.
     with Session(bind=op.get_bind()) as session:
         for level in LAYER_LEVELS[1:]:
-            session.execute(level_rows(session, level))
+            session.execute(level_rows(session.get_bind().dialect.name, level))
 
 
 def downgrade() -> None:
