@@ -81,6 +81,12 @@ function ampwatchRestoreNatives() {
 </script>
 """
 
+#: dcc's lazily loaded chunks that every page draws with, loaded with Dash's scripts: left
+#: to dcc, each is fetched and run only once React has drawn the layout's first Graph or
+#: Dropdown, a round trip and a script between the layout's arrival and the charts. They
+#: are webpack chunks that register themselves, so dcc finds them loaded.
+EAGER_CHUNKS = ("async-graph.js", "async-dropdown.js")
+
 # In the browser, on every URL change (the Location's mount included): route, unless this
 # is the page the initial layout already holds (checked once, then forgotten, so coming
 # back to that URL later routes as any other).
@@ -172,15 +178,19 @@ def create_dash_app(
     plotly_url = requests_pathname_prefix + (
         BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js"
     )
+    chunks = "".join(
+        f'<script src="{requests_pathname_prefix}_dash-component-suites/dash/dcc/{name}"></script>'
+        for name in EAGER_CHUNKS
+    )
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
         routes_pathname_prefix="/",
         title="ampwatch",
         update_title="",  # keep the tab title steady while the page refreshes
-        index_string=INDEX_STRING.replace("<head>", "<head>\n" + NATIVES, 1).replace(
-            "</head>", PLOTLY_LOADER % plotly_url + "</head>"
-        ),
+        index_string=INDEX_STRING.replace("<head>", "<head>\n" + NATIVES, 1)
+        .replace("</head>", PLOTLY_LOADER % plotly_url + "</head>")
+        .replace("{%renderer%}", chunks + "{%renderer%}"),
     )
     # A run page's data is read while its HTML's scripts load (`prefetch`); the page's
     # layout takes it. Flask's request.path is the path below the mount's prefix.

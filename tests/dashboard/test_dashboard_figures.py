@@ -5,6 +5,7 @@ import math
 from dataclasses import replace
 from typing import Any
 
+import numpy as np
 import plotly.graph_objects as go
 import pytest
 
@@ -16,6 +17,7 @@ from ampwatch.dashboard import (
     step_figures,
 )
 from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
+from ampwatch.server.baselines import robust_baseline
 
 
 def trace(figure: go.Figure, name: str) -> Any:
@@ -377,6 +379,23 @@ def test_baseline_band_holds_the_norm_and_leaves_a_spike_above_it() -> None:
     assert math.isnan(low[0]) and math.isnan(high[7])  # fewer than 8 values before
     assert low[50] <= norms[50] < high[50]
     assert norms[-1] > high[-1] * 3  # the spike is judged against what came before
+
+
+@pytest.mark.parametrize("length", [8, 9, 255, 256, 257, 600])
+def test_baseline_band_medians_are_numpys_over_the_nan_padded_windows(length: int) -> None:
+    """The sorted-window medians give what `robust_baseline(..., skip_nan=True)` and
+    `np.nanmin` give over the NaN-padded trailing windows, to the bit: odd and even
+    counts, ties, windows shorter than BAND_POINTS and full ones."""
+    rng = np.random.default_rng(length)
+    kept = np.round(rng.lognormal(2.0, 1.0, length), 1)  # rounded: ties in most windows
+    window = step_figures.BAND_POINTS
+    padded = np.concatenate([np.full(window - 1, np.nan), kept])
+    windows = np.lib.stride_tricks.sliding_window_view(padded, window)
+    medians, sigmas = robust_baseline(windows, axis=1, skip_nan=True)
+    got = step_figures._trailing_baselines(kept, window)
+    assert np.array_equal(got[0], medians)
+    assert np.array_equal(got[1], sigmas)
+    assert np.array_equal(got[2], np.nanmin(windows, axis=1))
 
 
 @pytest.mark.parametrize(
