@@ -60,6 +60,33 @@ function ampwatchLoadPlotly() {
 </script>
 """
 
+# Dash's @babel/polyfill (core-js 2, kept: Dash's renderer needs its regeneratorRuntime)
+# judges these natives of every current browser broken -- its whitespace list still holds
+# U+180E, which Unicode 6.3 dropped -- and replaces them with JavaScript versions, which
+# plotly.js then calls tens of thousands of times while it draws (60 ms of a cold run page's
+# main thread, profiled). The natives are saved before Dash's scripts and put back after
+# them, before the renderer starts: they are the standard's behaviour.
+NATIVES = """<script>
+var ampwatchNatives = [[window, "parseFloat"], [window, "parseInt"], [Number, "parseFloat"],
+  [Number, "parseInt"], [String.prototype, "trim"], [String.prototype, "trimStart"],
+  [String.prototype, "trimEnd"], [String.prototype, "trimLeft"], [String.prototype, "trimRight"]
+].map(function (p) { return [p[0], p[1], p[0][p[1]]]; });
+function ampwatchRestoreNatives() {
+  ampwatchNatives.forEach(function (p) {
+    if (typeof p[2] === "function" && p[0][p[1]] !== p[2]) {
+      Object.defineProperty(p[0], p[1], {value: p[2], writable: true, configurable: true});
+    }
+  });
+}
+</script>
+"""
+
+#: dcc's lazily loaded chunks that every page draws with, loaded with Dash's scripts: left
+#: to dcc, each is fetched and run only once React has drawn the layout's first Graph or
+#: Dropdown, a round trip and a script between the layout's arrival and the charts. They
+#: are webpack chunks that register themselves, so dcc finds them loaded.
+EAGER_CHUNKS = ("async-graph.js", "async-dropdown.js")
+
 # In the browser, on every URL change (the Location's mount included): route, unless this
 # is the page the initial layout already holds (checked once, then forgotten, so coming
 # back to that URL later routes as any other).
@@ -126,7 +153,7 @@ tr.candidate-rejected { color: #6b7280; }
 </head>
 <body>
 {%app_entry%}
-<footer>{%config%}{%scripts%}{%renderer%}<script>ampwatchLoadPlotly()</script></footer>
+<footer>{%config%}{%scripts%}<script>ampwatchRestoreNatives()</script>{%renderer%}<script>ampwatchLoadPlotly()</script></footer>
 </body>
 </html>"""
 
@@ -151,13 +178,19 @@ def create_dash_app(
     plotly_url = requests_pathname_prefix + (
         BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js"
     )
+    chunks = "".join(
+        f'<script src="{requests_pathname_prefix}_dash-component-suites/dash/dcc/{name}"></script>'
+        for name in EAGER_CHUNKS
+    )
     app = dash.Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
         routes_pathname_prefix="/",
         title="ampwatch",
         update_title="",  # keep the tab title steady while the page refreshes
-        index_string=INDEX_STRING.replace("</head>", PLOTLY_LOADER % plotly_url + "</head>"),
+        index_string=INDEX_STRING.replace("<head>", "<head>\n" + NATIVES, 1)
+        .replace("</head>", PLOTLY_LOADER % plotly_url + "</head>")
+        .replace("{%renderer%}", chunks + "{%renderer%}"),
     )
     # A run page's data is read while its HTML's scripts load (`prefetch`); the page's
     # layout takes it. Flask's request.path is the path below the mount's prefix.

@@ -77,9 +77,13 @@ def begin_write(session: Session) -> None:
 def dialect_insert(session: Session, table: Any) -> Any:
     """An INSERT for `table` (a model or Table) supporting ON CONFLICT, from the session's
     dialect: both backends spell upserts the same way, but through different classes."""
+    return insert_for(session.get_bind().dialect.name, table)
+
+
+def insert_for(dialect: str, table: Any) -> Any:
+    """`dialect_insert` by dialect name, for statements built once per dialect."""
     from sqlalchemy.dialects import postgresql, sqlite
 
-    dialect = session.get_bind().dialect.name
     if dialect == "sqlite":
         return sqlite.insert(table)
     if dialect == "postgresql":

@@ -26,7 +26,6 @@ rows remain and a late sample is merged into the stored extremes.
 
 from __future__ import annotations
 
-from collections import defaultdict
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from itertools import pairwise
@@ -34,7 +33,7 @@ from typing import Any
 
 import numpy as np
 import numpy.typing as npt
-from sqlalchemy import delete, func, select, update
+from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.db import begin_write
@@ -149,14 +148,16 @@ def _widened(parts: list[Extremes]) -> list[Extremes]:
     return out
 
 
-def _reduce(parts: list[tuple[int, Extremes]], level: int) -> dict[int, Extremes]:
-    """(step or bucket start, extremes) parts of one statistic, reduced per `level`
-    bucket in a few array operations (one `combine` per bucket was half of ingest's
-    time spent on rollups)."""
-    parts.sort(key=lambda part: part[0])
-    keys = np.array([key // level for key, _ in parts], dtype=np.int64)
-    rows = _widened([e for _, e in parts])
-    starts = np.concatenate(([0], np.flatnonzero(np.diff(keys)) + 1)).astype(np.intp)
+def _reduce(parts: list[tuple[str, int, Extremes]], level: int) -> dict[tuple[str, int], Extremes]:
+    """(stat, step or bucket start, extremes) parts, reduced per statistic and `level`
+    bucket in a few array operations over all of them (one `combine` per bucket, then one
+    reduction per statistic, were most of ingest's time spent on rollups)."""
+    parts.sort(key=lambda part: (part[0], part[1]))
+    keys = np.array([key // level for _, key, _ in parts], dtype=np.int64)
+    stat_changes = np.array([a[0] != b[0] for a, b in pairwise(parts)], dtype=bool)
+    boundaries = (np.diff(keys) != 0) | stat_changes
+    starts = np.concatenate(([0], np.flatnonzero(boundaries) + 1)).astype(np.intp)
+    rows = _widened([e for _, _, e in parts])
     max_v, max_m = np.stack([r.maxima for r in rows]), np.stack([r.max_missing for r in rows])
     min_v, min_m = np.stack([r.minima for r in rows]), np.stack([r.min_missing for r in rows])
     max_none = np.logical_and.reduceat(max_m, starts, axis=0)
@@ -172,7 +173,7 @@ def _reduce(parts: list[tuple[int, Extremes]], level: int) -> dict[int, Extremes
     lasts = np.maximum.reduceat(np.array([r.last_step for r in rows]), starts)
     counts = np.add.reduceat(np.array([r.samples for r in rows]), starts)
     return {
-        int(keys[start]) * level: Extremes(
+        (parts[start][0], int(keys[start]) * level): Extremes(
             int(firsts[i]),
             int(lasts[i]),
             int(counts[i]),
@@ -194,19 +195,12 @@ def build_levels(
     (`children[level]`: (stat, bucket_start) of the level below -> extremes; the ones
     recomputed here replace them)."""
     levels: dict[int, dict[tuple[str, int], Extremes]] = {}
-    below: Iterable[tuple[str, int, Extremes]] = samples
+    below = list(samples)
     for level in LAYER_LEVELS:
         if level > FINEST:
             merged = {**children.get(level, {}), **levels[level // LEVEL_FACTOR]}
-            below = ((stat, start, e) for (stat, start), e in merged.items())
-        by_stat: dict[str, list[tuple[int, Extremes]]] = defaultdict(list)
-        for stat, step, extremes in below:
-            by_stat[stat].append((step, extremes))
-        levels[level] = {
-            (stat, start): e
-            for stat, parts in by_stat.items()
-            for start, e in _reduce(parts, level).items()
-        }
+            below = [(stat, start, e) for (stat, start), e in merged.items()]
+        levels[level] = _reduce(below, level) if below else {}
     return levels
 
 
@@ -217,7 +211,10 @@ def _row(run_id: int, rank: int, stat: str, level: int, start: int, e: Extremes)
     )  # fmt: skip
 
 
-_ROLLUP_READ = (
+#: The reads of `refresh_layer_rollups`, built once with named parameters (`run_id`,
+#: `rank`, `stats`, `level`, `low`, `high`): building six selects per batch cost more
+#: than running them.
+_ROLLUP_READ = select(
     LayerRollup.stat,
     LayerRollup.bucket_start,
     LayerRollup.first_step,
@@ -225,22 +222,26 @@ _ROLLUP_READ = (
     LayerRollup.samples,
     LayerRollup.maxima,
     LayerRollup.minima,
+).where(
+    LayerRollup.run_id == bindparam("run_id"),
+    LayerRollup.rank == bindparam("rank"),
+    LayerRollup.stat.in_(bindparam("stats", expanding=True)),
+    LayerRollup.level == bindparam("level"),
+    LayerRollup.bucket_start.between(bindparam("low"), bindparam("high")),
+)
+_RAW_READ = select(LayerStat.stat, LayerStat.step, LayerStat.values).where(
+    LayerStat.run_id == bindparam("run_id"),
+    LayerStat.rank == bindparam("rank"),
+    LayerStat.stat.in_(bindparam("stats", expanding=True)),
+    LayerStat.step.between(bindparam("low"), bindparam("high")),
 )
 
 
 def _read_level(
     session: Session, run_id: int, rank: int, stats: list[str], level: int, low: int, high: int
 ) -> dict[tuple[str, int], Extremes]:
-    rows = session.execute(
-        select(*_ROLLUP_READ).where(
-            LayerRollup.run_id == run_id,
-            LayerRollup.rank == rank,
-            LayerRollup.stat.in_(stats),
-            LayerRollup.level == level,
-            LayerRollup.bucket_start.between(low, high),
-        )
-    )
-    return _stored(rows)
+    where = {"run_id": run_id, "rank": rank, "stats": stats, "level": level}
+    return _stored(session.connection().execute(_ROLLUP_READ, {**where, "low": low, "high": high}))
 
 
 def refresh_layer_rollups(
@@ -260,14 +261,8 @@ def refresh_layer_rollups(
     for rank, (first, last, stat_set) in spans.items():
         stats = sorted(stat_set)
         low, high = first // FINEST * FINEST, last // FINEST * FINEST + FINEST - 1
-        raw = session.execute(
-            select(LayerStat.stat, LayerStat.step, LayerStat.values).where(
-                LayerStat.run_id == run_id,
-                LayerStat.rank == rank,
-                LayerStat.stat.in_(stats),
-                LayerStat.step.between(low, high),
-            )
-        ).all()
+        where = {"run_id": run_id, "rank": rank, "stats": stats, "low": low, "high": high}
+        raw = session.connection().execute(_RAW_READ, where).all()
         samples = [
             (stat, step, sample)
             for (stat, step, _), sample in zip(

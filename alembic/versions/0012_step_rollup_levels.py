@@ -60,7 +60,9 @@ def _backfill() -> None:
     # which it joins and leaves to alembic to commit.
     with Session(bind=op.get_bind()) as session:
         for level in LAYER_LEVELS[1:]:
-            session.execute(level_rows(session, level, columns=EXTREME_COLUMNS))
+            session.execute(
+                level_rows(session.get_bind().dialect.name, level, columns=EXTREME_COLUMNS)
+            )
 
 
 def downgrade() -> None:

@@ -568,8 +568,8 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     source = zoom if zoomed else data
     assert source is not None
     x_range = (zoom["start"], zoom["end"]) if zoomed and zoom is not None else None
-    steps = StepSeries.from_json(source["steps"])
     full_steps = StepSeries.from_json(data["steps"])
+    steps = StepSeries.from_json(source["steps"]) if zoomed else full_steps
     events = [RunEvent.from_json(e) for e in data["events"]]
     stored_alerts = data.get("alerts")
     alerts = None if stored_alerts is None else [Alert.from_json(a) for a in stored_alerts["shown"]]

@@ -166,6 +166,28 @@ def test_a_visit_by_url_renders_without_the_router(collector: str, page: Any) ->
     assert routed == []
 
 
+def test_the_page_keeps_the_browsers_natives_and_loads_dccs_chunks_once(
+    collector: str, page: Any
+) -> None:
+    """Dash's polyfill replaces parseFloat, parseInt and the trims; the page puts the
+    browser's own back. dcc's Graph and Dropdown chunks come with the scripts, once each,
+    before the layout: dcc does not fetch them again when the charts mount."""
+    requested: list[str] = []
+    page.on("request", lambda r: requested.append(r.url.rsplit("/", 1)[-1].split("?")[0]))
+    page.goto(f"{collector}/dashboard/run/1")
+    wait_for_graphs(page, *RUN_GRAPHS)
+    natives = page.evaluate(
+        """() => [parseFloat, parseInt, Number.parseFloat, Number.parseInt,
+            String.prototype.trim, String.prototype.trimStart, String.prototype.trimEnd]
+            .map(f => f.toString().includes('[native code]'))"""
+    )
+    assert natives == [True] * 7
+    assert page.evaluate("() => parseFloat(' 2.5e3 ') + ' x '.trim().length") == 2501
+    chunks = [name for name in requested if name.startswith("async-")]
+    assert sorted(chunks) == ["async-dropdown.js", "async-graph.js"]
+    assert requested.index("async-graph.js") < requested.index("_dash-layout")
+
+
 @pytest.mark.parametrize("referrer", ["another page", "no-referrer policy"])
 def test_a_referrer_that_is_not_the_page_still_gets_the_page(
     collector: str, page: Any, referrer: str
