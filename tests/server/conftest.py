@@ -14,6 +14,7 @@ import httpx
 import pytest
 from alert_feed import Feed
 from sqlalchemy import func, select
+from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server import migrate
 from ampwatch.server.db import make_engine, make_sessionmaker
@@ -48,6 +49,15 @@ def count_rows(collector: Any) -> Iterator[Callable[[], dict[str, int]]]:
             }
 
     yield counts
+    engine.dispose()
+
+
+@pytest.fixture
+def sessions(db_url: str) -> Iterator[sessionmaker[Session]]:
+    """Sessions on a fresh, migrated database, for tests that call ingest in-process."""
+    migrate.upgrade(db_url)
+    engine = make_engine(db_url)
+    yield make_sessionmaker(engine)
     engine.dispose()
 
 

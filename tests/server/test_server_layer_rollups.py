@@ -9,19 +9,18 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from rollup_property import ROLLUP_PROPERTY
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.agent.wire import WIRE_VERSION
+from ampwatch.agent.wire import WIRE_VERSION, encode_float
 from ampwatch.server import cli, migrate, series
-from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS, age_layer_stats
 from ampwatch.server.models import LayerRollup, LayerStat, Run
@@ -39,22 +38,6 @@ values = st.one_of(
 )
 
 
-@pytest.fixture
-def sessions(db_url: str) -> Iterator[sessionmaker[Session]]:
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
-
-
-def _wire(value: float) -> Any:
-    if math.isnan(value):
-        return "NaN"
-    if math.isinf(value):
-        return "Infinity" if value > 0 else "-Infinity"
-    return value
-
-
 def send(sessions: sessionmaker[Session], run: str, seq: int, records: list[dict[str, Any]]) -> int:
     """Ingest one batch of layer-stat records ((step, rank, names, {stat: values}))."""
     batch = {
@@ -64,7 +47,7 @@ def send(sessions: sessionmaker[Session], run: str, seq: int, records: list[dict
         "seq": seq,
         "layer_stats": [
             {"step": r["step"], "rank": r["rank"], "names": list(r["names"]),
-             "stats": {s: [_wire(v) for v in vs] for s, vs in r["stats"].items()}}
+             "stats": {s: [encode_float(v) for v in vs] for s, vs in r["stats"].items()}}
             for r in records
         ],
     }  # fmt: skip
@@ -133,11 +116,7 @@ def _raw(session: Session, run_id: int, rank: int, stat: str) -> list[tuple[int,
     return [(step, _cells(blob, len(blob) // 8)) for step, blob in rows]
 
 
-@settings(
-    max_examples=20,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@ROLLUP_PROPERTY
 @given(batches=records())
 def test_rollups_equal_a_direct_aggregation_of_the_raw_rows(
     sessions: sessionmaker[Session], batches: list[list[dict[str, Any]]]

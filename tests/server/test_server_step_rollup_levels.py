@@ -9,18 +9,16 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator
 from typing import Any
 
-import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import given
 from hypothesis import strategies as st
+from rollup_property import ROLLUP_PROPERTY
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
-from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WIRE_VERSION
+from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WIRE_VERSION, encode_float
 from ampwatch.server import migrate, series
-from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS
 from ampwatch.server.models import Step, StepRollup, StepRollupLevel
@@ -38,20 +36,6 @@ values = st.one_of(
 )
 
 
-@pytest.fixture
-def sessions(db_url: str) -> Iterator[sessionmaker[Session]]:
-    migrate.upgrade(db_url)
-    engine = make_engine(db_url)
-    yield make_sessionmaker(engine)
-    engine.dispose()
-
-
-def _wire(value: float | None) -> Any:
-    if value is None or math.isfinite(value):
-        return value
-    return "NaN" if math.isnan(value) else "Infinity" if value > 0 else "-Infinity"
-
-
 def send(sessions: sessionmaker[Session], run: str, seq: int, steps: list[dict[str, Any]]) -> int:
     """Ingest one batch of step records (step, rank, skipped and `FIELDS`)."""
     batch = {
@@ -59,7 +43,7 @@ def send(sessions: sessionmaker[Session], run: str, seq: int, steps: list[dict[s
         "run": {"client_run_id": run, "name": run, "project": "default"},
         "stream": "0",
         "seq": seq,
-        "steps": [{k: _wire(v) if k in FIELDS else v for k, v in s.items()} for s in steps],
+        "steps": [{k: encode_float(v) if k in FIELDS else v for k, v in s.items()} for s in steps],
     }
     with sessions() as session:
         ack = ingest_batch(session, BatchIn.model_validate(batch), evaluate_alerts=False)
@@ -125,11 +109,7 @@ def _levels(session: Session, run_id: int) -> dict[tuple[int, int, int], tuple[A
     return out
 
 
-@settings(
-    max_examples=20,
-    deadline=None,
-    suppress_health_check=[HealthCheck.function_scoped_fixture, HealthCheck.too_slow],
-)
+@ROLLUP_PROPERTY
 @given(sent=batches())
 def test_every_level_equals_a_direct_aggregation_of_the_raw_steps(
     sessions: sessionmaker[Session], sent: list[list[dict[str, Any]]]
