@@ -29,8 +29,9 @@ API_PREFIX = "/api/v1"
 DASHBOARD_PATH = "/dashboard"
 
 
-def create_app(settings: Settings | None = None) -> FastAPI:
-    """Build the collector for `settings` (default: from `AMPWATCH_*` variables).
+def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) -> FastAPI:
+    """Build the collector for `settings` (default: from `AMPWATCH_*` variables);
+    `freeze_heap`: keep its start-up heap out of full collections while serving (`heap.py`).
 
     The database schema is not created here: apply migrations first
     (`ampwatch.server.migrate.upgrade`), as `ampwatch serve` does. Startup fails when
@@ -47,7 +48,10 @@ def create_app(settings: Settings | None = None) -> FastAPI:
         with sessions() as session:
             auth.check_exposure(session, settings)
         worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
-        with heap.startup_heap_frozen():
+        if freeze_heap:
+            with heap.startup_heap_frozen():
+                yield
+        else:
             yield
         worker.stop()
         engine.dispose()

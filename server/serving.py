@@ -56,8 +56,8 @@ def _config(app: Any, settings: Settings, **options: Any) -> uvicorn.Config:
     )  # fmt: skip
 
 
-def _server(settings: Settings) -> uvicorn.Server:
-    return uvicorn.Server(_config(create_app(settings), settings))
+def _server(settings: Settings, *, freeze_heap: bool = True) -> uvicorn.Server:
+    return uvicorn.Server(_config(create_app(settings, freeze_heap=freeze_heap), settings))
 
 
 #: What uvicorn imports in each worker process: `create_app()` reads `AMPWATCH_*`.
@@ -106,19 +106,27 @@ def serve(settings: Settings) -> None:
 class BackgroundCollector:
     """A real collector on a daemon thread; a context manager that stops it on exit.
 
-    Pass `sock` (from `bind_socket`) when `settings.port` was chosen by binding it.
+    Pass `sock` (from `bind_socket`) when `settings.port` was chosen by binding it. The
+    host process's heap is not frozen (`heap.py`) unless `freeze_heap`: it belongs to the
+    host (the demo's trainer, a test session), and collecting it whole at every start cost
+    ~0.3 s in a test process that had imported the frameworks.
 
     >>> with BackgroundCollector(Settings(port=0)) as collector:  # doctest: +SKIP
     ...     print(collector.url)
     """
 
     def __init__(
-        self, settings: Settings, *, sock: socket.socket | None = None, start_timeout: float = 30.0
+        self,
+        settings: Settings,
+        *,
+        sock: socket.socket | None = None,
+        start_timeout: float = 30.0,
+        freeze_heap: bool = False,
     ) -> None:
         self.settings = settings
         self._sock = sock
         self._start_timeout = start_timeout
-        self._server = _server(settings)
+        self._server = _server(settings, freeze_heap=freeze_heap)
         self._thread: threading.Thread | None = None
 
     @property

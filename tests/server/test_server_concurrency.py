@@ -15,11 +15,14 @@ from contextlib import AbstractContextManager
 from typing import Any
 
 import httpx
+import pytest
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import auth
+from ampwatch.server import auth, migrate
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.serving import BackgroundCollector, bind_socket
+from ampwatch.server.settings import Settings
 
 #: Before the session closed with its endpoint, 200 concurrent reads froze the collector
 #: (every answer a 30 s pool timeout or a client timeout); now they take ~1-2 s.
@@ -116,15 +119,20 @@ def test_two_tenants_racing_one_client_run_id_get_a_run_each(
         assert listed["total"] == 2 * rounds
 
 
+@pytest.mark.parametrize("freeze_heap", [True, False])
 def test_the_startup_heap_is_frozen_while_serving_and_released_after(
-    sqlite_url: str, start_collector: Callable[..., AbstractContextManager[Any]]
+    sqlite_url: str, freeze_heap: bool
 ) -> None:
     """Full collections must not walk the start-up heap while serving (`server/heap.py`);
-    the process gets it back when the collector stops."""
+    the process gets it back when the collector stops. A collector embedded in a host
+    process (`BackgroundCollector`'s default) leaves the host's heap alone."""
     import gc
 
+    migrate.upgrade(sqlite_url)
+    sock = bind_socket()
+    settings = Settings(database_url=sqlite_url, port=sock.getsockname()[1], dashboard=False)
     assert gc.get_freeze_count() == 0
-    with start_collector(sqlite_url, dashboard=False) as live:
+    with BackgroundCollector(settings, sock=sock, freeze_heap=freeze_heap) as live:
         assert httpx.get(f"{live.url}/healthz").status_code == 200
-        assert gc.get_freeze_count() > 10_000
+        assert (gc.get_freeze_count() > 10_000) == freeze_heap
     assert gc.get_freeze_count() == 0
