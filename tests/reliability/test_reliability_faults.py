@@ -92,9 +92,11 @@ def test_collector_sigkilled_mid_run_and_restarted(
     assert counters["hook_errors"] == 0
     assert counters["send_failures"] >= 1  # the kill was felt by the sender, not the loop
     # The agent's own cost on this tiny model (a few ms a step) is the ratio while the
-    # collector is up; the outage must add nothing to it.
+    # collector is up; the outage must add nothing to it. The agent cannot make a step
+    # faster, so an up-phase ratio below 1 is the machine's noise and counts as 1 (a ratio
+    # of two noisy ratios failed once at 1.11 / 0.87 under two CPU burners).
     ratio, ratio_up = slowdown(down_watched, down_bare), slowdown(up_watched, up_bare)
-    assert ratio / ratio_up < 1.25, (ratio, ratio_up)  # loose: a shared 2-core machine
+    assert ratio / max(ratio_up, 1.0) < 1.25, (ratio, ratio_up)  # loose: a shared 2-core machine
     assert max(down_watched) < 1.0, max(down_watched)  # never waits on the network
     stored = stored_run(rows, handle.client_run_id)
     assert_exactly_once(stored, STEPS)
