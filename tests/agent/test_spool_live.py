@@ -8,6 +8,7 @@ import functools
 import gzip
 import json
 import os
+import socket
 import sqlite3
 import statistics
 import subprocess
@@ -55,8 +56,20 @@ def _free_port() -> int:
     return port
 
 
-def _collector(port: int, database_url: str) -> BackgroundCollector:
-    return BackgroundCollector(Settings(port=port, database_url=database_url, dashboard=False))
+def _collector(
+    port: int, database_url: str, sock: socket.socket | None = None
+) -> BackgroundCollector:
+    return BackgroundCollector(
+        Settings(port=port, database_url=database_url, dashboard=False), sock=sock
+    )
+
+
+def _down_collector() -> tuple[socket.socket, int]:
+    """A port where a collector is down: bound but not listening, so a connection is
+    refused, and held, so no other process (a parallel test's server or client) can take
+    it before the collector comes up on it (`_collector(port, url, sock)`)."""
+    sock = bind_socket()
+    return sock, int(sock.getsockname()[1])
 
 
 def _query(database_url: str, sql: str) -> list[tuple[Any, ...]]:
@@ -88,7 +101,7 @@ def _assert_stored_exactly_once(database_url: str) -> None:
 def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     sqlite_url: str, spool_root: Path
 ) -> None:
-    port = _free_port()
+    sock, port = _down_collector()
     trainer, bare_trainer = Trainer(), Trainer()
     bare_trainer.train(50)  # warm-up
     handle = trainer.watch(url=f"http://127.0.0.1:{port}", delivery=QUICK_RETRIES)
@@ -104,7 +117,7 @@ def test_collector_down_for_the_whole_run_then_the_spool_arrives_once(
     # loose: a noisy 2-core machine; the agent's own bar is measured by bench/
     assert statistics.median(w / b for w, b in steps) < 1.5
 
-    with _collector(port, sqlite_url):
+    with _collector(port, sqlite_url, sock):
         wait_for(lambda: _query(sqlite_url, "SELECT COUNT(*) FROM steps") == [(STEPS,)])
         handle.detach(timeout=10)
         wait_for(lambda: _run_ended(sqlite_url))
@@ -167,14 +180,14 @@ def test_an_offline_file_uploads_completely_and_twice_stores_nothing_twice(
 def test_a_spool_left_behind_by_an_ended_process_uploads_once(
     sqlite_url: str, spool_root: Path, capsys: pytest.CaptureFixture[str]
 ) -> None:
-    port = _free_port()
+    sock, port = _down_collector()
     trainer = Trainer()
     handle = trainer.watch(url=f"http://127.0.0.1:{port}", delivery=QUICK_RETRIES)
     trainer.train(STEPS)
     handle.detach(timeout=0.5)  # the collector is still down: everything stays spooled
     assert handle.counters["spooled_at_close"] >= 1
 
-    with _collector(port, sqlite_url) as collector:
+    with _collector(port, sqlite_url, sock) as collector:
         code, out = _upload(spool_root, collector.url, capsys)
         assert code == 0 and "0 not sent" in out
         code, out = _upload(spool_root, collector.url, capsys)
@@ -218,7 +231,7 @@ def test_a_spool_left_by_a_killed_process_is_delivered_by_the_next_watch_exactly
 ) -> None:
     from ampwatch.agent.spool import default_spool_dir
 
-    port = _free_port()
+    sock, port = _down_collector()
     url = f"http://127.0.0.1:{port}"
     run_id = "job-7/../resumed"  # a run id with `/` and `..`: its spool stays under the root
     helpers = str(Path(__file__).resolve().parents[1] / "reliability")
@@ -232,7 +245,7 @@ def test_a_spool_left_by_a_killed_process_is_delivered_by_the_next_watch_exactly
     left = _spooled(folder)
     assert len(left) >= 2  # batches the killed process could not deliver
 
-    with _collector(port, sqlite_url):
+    with _collector(port, sqlite_url, sock):
         trainer = Trainer()
         handle = trainer.watch(url=url, run_id=run_id, delivery=QUICK_RETRIES)
         trainer.train(20)
