@@ -135,28 +135,12 @@ class AttachedHandle(StepSampling):
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._on_error(exc)
 
-    def record(
-        self,
-        *,
-        step: int | None = None,
-        loss: float | torch.Tensor | None = None,
-        loss_scale: float | torch.Tensor | None = None,
-        skipped: bool | torch.Tensor | None = None,
-        grad_norm: float | torch.Tensor | None = None,
-        lr: float | torch.Tensor | None = None,
-    ) -> None:
-        if self._state is not Lifecycle.ATTACHED:
-            return
+    def _record(self, step: int | None, values: dict[str, object]) -> None:
         try:
             number = self._step + 1 if step is None else int(step)
             logged = self._take_loss()  # log_loss() calls since the last step
-            values: dict[str, object] = {
-                "loss": logged if loss is None else loss,
-                "loss_scale": loss_scale,
-                "found_inf": skipped,
-                "grad_norm": grad_norm,
-                "lr": lr,
-            }
+            if values["loss"] is None:
+                values["loss"] = logged
             if self._act is not None and (act := self._act.take()) is not None:
                 values["act_norm_mean"], values["act_norm_max"] = act
             take_prenorm(self._prenorm, values)

@@ -80,6 +80,15 @@ class WatchHandle:
         lr: float | torch.Tensor | None = None,
     ) -> None:
         """Record one optimizer step by hand (see `ampwatch.agent.manual`); never raises."""
+        if self._state is Lifecycle.ATTACHED:
+            values: dict[str, object] = {
+                "loss": loss, "loss_scale": loss_scale, "found_inf": skipped,
+                "grad_norm": grad_norm, "lr": lr,
+            }  # fmt: skip
+            self._record(step, values)
+
+    def _record(self, step: int | None, values: dict[str, object]) -> None:
+        """The attached handle's `record()`, with the step's values by wire name."""
 
     def checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> None:
         """Record that a checkpoint was saved at `step` (default: the current step)."""
