@@ -47,6 +47,7 @@ from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import level_source, rollup_aggregates, step_aggregates
 from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
 from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
+from ampwatch.server.segments import reduce_at
 
 
 @dataclass
@@ -294,10 +295,10 @@ def _max_reduce(
 ) -> tuple[npt.NDArray[np.float64], npt.NDArray[np.bool_]]:
     """Bucket maxima along `axis` (NaN wins, missing ignored) and all-missing masks."""
     if not missing.any():  # the usual case: the masking was half a 2M-step heatmap's time
-        maxima = np.maximum.reduceat(values, starts, axis=axis)
+        maxima = reduce_at(np.maximum, values, starts, axis)
         return maxima, np.zeros(maxima.shape, dtype=bool)
-    maxima = np.maximum.reduceat(np.where(missing, -np.inf, values), starts, axis=axis)
-    all_missing = np.logical_and.reduceat(missing, starts, axis=axis)
+    maxima = reduce_at(np.maximum, np.where(missing, -np.inf, values), starts, axis)
+    all_missing = reduce_at(np.logical_and, missing, starts, axis)
     return np.where(all_missing, np.nan, maxima), all_missing
 
 
@@ -307,9 +308,9 @@ def _min_reduce(
     """Bucket minima (NaN only where nothing else was measured) and all-missing masks."""
     nan = np.isnan(values) & ~missing
     ordinary = ~(missing | nan)
-    mins = np.minimum.reduceat(np.where(ordinary, values, np.inf), starts)
-    has_ordinary = np.logical_or.reduceat(ordinary, starts)
-    has_nan = np.logical_or.reduceat(nan, starts)
+    mins = reduce_at(np.minimum, np.where(ordinary, values, np.inf), starts)
+    has_ordinary = reduce_at(np.logical_or, ordinary, starts)
+    has_nan = reduce_at(np.logical_or, nan, starts)
     return np.where(has_ordinary, mins, np.nan), ~(has_ordinary | has_nan)
 
 
