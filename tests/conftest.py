@@ -2,10 +2,12 @@
 
 - `sqlite_url`: SQLAlchemy URL of an empty SQLite file in the test's tmp_path.
 - `postgres_url`: URL of a fresh, uniquely named PostgreSQL database, dropped after the
-  test; skipped (never faked) when the server is unreachable. The admin connection is
+  test (`fresh_postgres_database`, for other scopes); skipped (never faked) when the
+  server is unreachable. The admin connection is
   `AMPWATCH_TEST_POSTGRES` (default postgresql://postgres@127.0.0.1:5432/test).
 - `db_url`: both of the above, as two parametrized cases (`[sqlite]`, `[postgres]`; the
-  latter marked `postgres`, so `-m "not postgres"` deselects it).
+  latter marked `postgres`, so `-m "not postgres"` deselects it); `module_db_url` and
+  `module_collector` the same per test module, for tests that only read.
 - `live_collector` / `live_collector_postgres`: a real collector, see `LiveCollector`.
 - `start_collector`: the context manager behind them, for other databases or options:
   `with start_collector(db_url, dashboard=False) as live: ...`.
@@ -63,8 +65,10 @@ def sqlite_url(tmp_path: Path) -> str:
     return f"sqlite:///{tmp_path / 'ampwatch.db'}"
 
 
-@pytest.fixture
-def postgres_url() -> Iterator[str]:
+@contextmanager
+def fresh_postgres_database() -> Iterator[str]:
+    """The URL of a new, uniquely named PostgreSQL database, dropped on exit; skips the
+    test (never fakes it) when the server is unreachable."""
     psycopg = pytest.importorskip("psycopg")
     from psycopg import sql
 
@@ -86,9 +90,38 @@ def postgres_url() -> Iterator[str]:
             )
 
 
+@pytest.fixture
+def postgres_url() -> Iterator[str]:
+    with fresh_postgres_database() as url:
+        yield url
+
+
 @pytest.fixture(params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)])
 def db_url(request: pytest.FixtureRequest) -> str:
     return str(request.getfixturevalue(f"{request.param}_url"))
+
+
+@pytest.fixture(
+    scope="module", params=["sqlite", pytest.param("postgres", marks=pytest.mark.postgres)]
+)
+def module_db_url(
+    request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[str]:
+    """As `db_url`, one database per test module: for tests that only read what a
+    module-scoped fixture stored once (`module_collector`)."""
+    if request.param == "sqlite":
+        yield f"sqlite:///{tmp_path_factory.mktemp('db') / 'ampwatch.db'}"
+        return
+    with fresh_postgres_database() as url:
+        yield url
+
+
+@pytest.fixture(scope="module")
+def module_collector(module_db_url: str) -> Iterator[LiveCollector]:
+    """A collector without the dashboard over `module_db_url`, shared by a module's tests:
+    populating a long run once instead of per test (~9 s each)."""
+    with serve_collector(module_db_url, dashboard=False) as collector:
+        yield collector
 
 
 @contextmanager

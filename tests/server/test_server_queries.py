@@ -6,6 +6,8 @@ from __future__ import annotations
 import gzip
 import json
 import math
+from collections.abc import Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import httpx
@@ -32,23 +34,32 @@ def decoded(values: list[Any]) -> np.ndarray:
     return np.array([math.nan if v is None else decode_float(v) for v in values], dtype=float)
 
 
-@pytest.fixture
-def long_run(client: httpx.Client) -> tuple[int, np.ndarray]:
-    """100,000 steps of random loss with one spike, one NaN and sparse skipped steps."""
+@dataclass(frozen=True)
+class LongRun:
+    client: httpx.Client
+    run_id: int
+    loss: np.ndarray
+
+
+@pytest.fixture(scope="module")
+def long_run(module_collector: Any) -> Iterator[LongRun]:
+    """100,000 steps of random loss with one spike, one NaN and sparse skipped steps,
+    stored once per backend: the tests that use it only read."""
     rng = np.random.default_rng(4)
     loss = rng.random(N_STEPS) + 1.0
     loss[SPIKE_STEP - 1] = 1e6
     loss[NAN_STEP - 1] = math.nan
     skipped = set(SKIPPED)
     run_id = 0
-    for seq, first in enumerate(range(1, N_STEPS + 1, 20_000)):
-        steps = [
-            step_record(s, loss=float(loss[s - 1]), loss_scale=65536.0 / (1 + s % 3),
-                        skipped=s in skipped)
-            for s in range(first, first + 20_000)
-        ]  # fmt: skip
-        run_id = post(client, make_batch(seq, steps=steps)).json()["run_id"]
-    return run_id, loss
+    with httpx.Client(base_url=module_collector.url, timeout=30) as client:
+        for seq, first in enumerate(range(1, N_STEPS + 1, 20_000)):
+            steps = [
+                step_record(s, loss=float(loss[s - 1]), loss_scale=65536.0 / (1 + s % 3),
+                            skipped=s in skipped)
+                for s in range(first, first + 20_000)
+            ]  # fmt: skip
+            run_id = post(client, make_batch(seq, steps=steps)).json()["run_id"]
+        yield LongRun(client, run_id, loss)
 
 
 def buckets_of(series: dict[str, Any]) -> dict[int, list[int]]:
@@ -59,10 +70,9 @@ def buckets_of(series: dict[str, Any]) -> dict[int, list[int]]:
     return out
 
 
-def test_a_spike_a_nan_and_every_skipped_step_survive_100k_to_500(
-    client: httpx.Client, long_run: tuple[int, np.ndarray]
-) -> None:
-    run_id, _ = long_run
+def test_a_spike_a_nan_and_every_skipped_step_survive_100k_to_500(long_run: LongRun) -> None:
+    client = long_run.client
+    run_id = long_run.run_id
     series = client.get(f"/api/v1/runs/{run_id}/steps", params={"max_points": 500}).json()
     width = series["bucket_width"]
     assert 1 < len(series["step"]) <= 500
@@ -73,10 +83,9 @@ def test_a_spike_a_nan_and_every_skipped_step_survive_100k_to_500(
     assert marked == {s // width for s in SKIPPED}
 
 
-def test_bucket_extremes_equal_a_direct_computation(
-    client: httpx.Client, long_run: tuple[int, np.ndarray]
-) -> None:
-    run_id, loss = long_run
+def test_bucket_extremes_equal_a_direct_computation(long_run: LongRun) -> None:
+    client = long_run.client
+    run_id, loss = long_run.run_id, long_run.loss
     steps = np.arange(1, N_STEPS + 1)
     for params in ({"max_points": 500}, {"max_points": 300, "start": 12_345, "end": 67_890}):
         series = client.get(f"/api/v1/runs/{run_id}/steps", params=params).json()
@@ -96,10 +105,9 @@ def test_bucket_extremes_equal_a_direct_computation(
                 assert (got.min(), got.max()) == (direct.min(), direct.max())
 
 
-def test_a_short_window_is_returned_exactly(
-    client: httpx.Client, long_run: tuple[int, np.ndarray]
-) -> None:
-    run_id, loss = long_run
+def test_a_short_window_is_returned_exactly(long_run: LongRun) -> None:
+    client = long_run.client
+    run_id, loss = long_run.run_id, long_run.loss
     params = {"start": SPIKE_STEP - 5, "end": SPIKE_STEP + 5, "max_points": 100}
     series = client.get(f"/api/v1/runs/{run_id}/steps", params=params).json()
     assert series["bucket_width"] == 1
