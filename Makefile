@@ -15,8 +15,10 @@ serve: setup
 	$(BIN)/ampwatch serve
 
 # The checks run first, so CI (.ci/run) fails on a lint, format or type error before the suite.
+# The suite runs on every core, a test file to a worker (`--dist loadfile`: a module's
+# fixtures are built once and its tests keep their order); plain `pytest` runs serially.
 test: setup check frameworks browser prometheus
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist loadfile
 
 # Lint, format and types (settings in pyproject.toml). mypy checks the packages under their
 # installed names through a link tree built from the install's package mapping.
