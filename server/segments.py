@@ -5,7 +5,8 @@ downsampled heatmap, a rollup level built from the one below.
 than a reduction over a reshaped block (a 1,954 x 1,000 matrix into pairs of rows: 23 ms
 against 1.2 ms here): it was a quarter of a 2M-step heatmap's time. Buckets come in few
 sizes (the rollup rows of one level, a bucket of finer rows at each end), so the segments
-of each size are gathered into one block and reduced at once.
+of each size are reduced as one block: a view where they are adjacent, else gathered
+(that matrix with a bucket of other size at the start: 3 ms, against reduceat's 18 ms).
 """
 
 from __future__ import annotations
