@@ -61,12 +61,18 @@ def process_group():
     }
     saved = {k: os.environ.get(k) for k in env}
     os.environ.update(env)
+    # One gloo process: DeepSpeed's shared-memory all-reduce op has no peer to share
+    # memory with, and compiling it (on a fresh machine, at the first init) took ~35 s.
+    compatible = deepspeed.ops.__compatible_ops__
+    shm = compatible.get("deepspeed_shm_comm")
+    compatible["deepspeed_shm_comm"] = False
     deepspeed.init_distributed(dist_backend="gloo")
     accelerator = get_accelerator()
     accelerator.is_fp16_supported = lambda: True  # see the module docstring
     yield
     del accelerator.is_fp16_supported
     torch.distributed.destroy_process_group()
+    compatible["deepspeed_shm_comm"] = shm
     for key, value in saved.items():
         if value is None:
             os.environ.pop(key, None)
