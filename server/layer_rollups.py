@@ -319,22 +319,23 @@ Piece = tuple[int | None, int, int]
 
 
 def plan_reads(
-    low: int, high: int, width: int, aged_before: int | None
+    low: int, high: int, width: int, aged_before: int | None, levels: tuple[int, ...] = LAYER_LEVELS
 ) -> tuple[int, list[Piece]] | None:
     """How to read steps low..high in buckets of at least `width` steps: the bucket width
     (a multiple of the coarsest level used, so each rollup lies in one bucket) and the
     pieces -- whole buckets of the coarsest level no wider than `width`, then finer levels
-    towards the ends, raw rows for the < 64 steps left at each end. None: read the raw
-    rows (`width` under the finest level and nothing aged in the window). The step
-    rollups have the same levels, and the step series reads by this plan too.
+    towards the ends, raw rows for the steps under the finest level left at each end.
+    None: read the raw rows (`width` under the finest level and nothing aged in the
+    window). `levels`: the layer rollups' by default; the step series reads by this plan
+    too, over the step rollups' (`rollups.STEP_LEVELS`, one finer).
 
     >>> plan_reads(10, 5000, 300, None)
     (512, [(None, 10, 63), (64, 64, 192), (256, 256, 4608), (64, 4864, 4928), (None, 4992, 5000)])
     """
     aged = aged_before is not None and low < aged_before
-    if width < FINEST and not aged:
+    if width < levels[0] and not aged:
         return None
-    top = max(k for k, level in enumerate(LAYER_LEVELS) if level <= max(width, FINEST))
+    top = max(k for k, level in enumerate(levels) if level <= max(width, levels[0]))
     pieces: list[Piece] = []
 
     def cover(first: int, last: int, k: int) -> None:
@@ -348,7 +349,7 @@ def plan_reads(
             if first <= last:
                 pieces.append((None, first, last))
             return
-        level = LAYER_LEVELS[k]
+        level = levels[k]
         whole_first = -(-first // level) * level
         whole_last = (last + 1) // level * level - 1
         if whole_first > whole_last:
@@ -359,7 +360,7 @@ def plan_reads(
         cover(whole_last + 1, last, k - 1)
 
     cover(low, high, top)
-    level = LAYER_LEVELS[top]
+    level = levels[top]
     return max(level, -(-width // level) * level), pieces
 
 

@@ -320,7 +320,9 @@ class StepRollup(_StepExtremes, Base):
 class StepRollupLevel(_StepExtremes, Base):
     """`StepRollup`'s columns over the `level` steps from `bucket_start`, for the levels
     above it (256, 1,024, ... 65,536: `ampwatch.server.rollups`), each computed from the
-    level below; a whole-run series of a 2M-step run reads ~2,000 rows, not 31,000.
+    level below, and one under it (16, from the raw steps); a whole-run series of a
+    2M-step run reads ~2,000 rows, not 31,000, and a zoomed window of 50,000 steps reads
+    ~3,000, not 50,000.
 
     A table of its own, not a level column in `step_rollups`: every reader of the 64-step
     rollups (run totals, the advisor, the runs list) stays as it is.

@@ -9,12 +9,13 @@ new value cannot leave a stale extreme behind, and NaN ordering is the database'
 (NaN above every number, in SQLite as the text 'NaN' and in PostgreSQL natively) on the
 raw and the rolled-up path alike.
 
-Above the 64-step rollups, `step_rollup_levels` holds the coarser levels of the layer
-rollups (`LAYER_LEVELS`: 256 .. 65,536 steps, by 4), each bucket recomputed in the same
+Beside the 64-step rollups, `step_rollup_levels` holds a finer level (`FINE_LEVEL`, 16
+steps, from the raw steps too) and the coarser levels of the layer rollups
+(`LAYER_LEVELS`: 256 .. 65,536 steps, by 4), each bucket recomputed in the same
 transaction from the buckets of the level below it that the batch touched: min of minima,
 max of maxima and sums of counts compose, so every level equals a direct aggregation of
-the raw steps, and a whole-run series reads a bounded number of rows at any run length
-(`plan_reads`, shared with the layer rollups).
+the raw steps, and a whole-run series, or a zoomed window, reads a bounded number of rows
+at any run length (`plan_reads`, shared with the layer rollups).
 """
 
 from __future__ import annotations
@@ -32,9 +33,15 @@ from ampwatch.server.db import insert_for
 from ampwatch.server.layer_rollups import FINEST, LAYER_LEVELS, LEVEL_FACTOR
 from ampwatch.server.models import RunStepTotals, Step, StepRollup, StepRollupLevel
 
-#: Steps per rollup bucket (the finest level). 100k steps become ~1,600 rollup rows; a
+#: Steps per rollup bucket of `step_rollups`. 100k steps become ~1,600 rollup rows; a
 #: batch of the agent's (up to 2,000 records) touches a few dozen buckets.
 ROLLUP_WIDTH = FINEST
+#: A level under the layer rollups' finest, for the step series only (layer samples come
+#: every ~10 steps): a zoomed window of 16,000-64,000 steps read its raw steps, ~40,000
+#: of them (74 ms on SQLite at 50,000), and now reads at most ~2,000 of these.
+FINE_LEVEL = FINEST // LEVEL_FACTOR
+#: The step rollups' levels, finest first (`plan_reads`' `levels` for the step series).
+STEP_LEVELS: tuple[int, ...] = (FINE_LEVEL, *LAYER_LEVELS)
 
 #: The rollup columns up to migration 0012 (its backfill writes only these), as
 #: (name, aggregate over raw steps) in table order after the key.
@@ -116,6 +123,26 @@ def level_rows(
     )
 
 
+def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS) -> Any:
+    """An INSERT .. SELECT upserting the `FINE_LEVEL` rollups of the raw steps that match
+    `where` (ingest's refresh, and migration 0014's backfill)."""
+    bucket = (Step.step // FINE_LEVEL) * FINE_LEVEL
+    rows = (
+        select(
+            Step.run_id, Step.rank, literal(FINE_LEVEL, Integer), bucket,
+            *step_aggregates(columns), func.count(),
+        )
+        .where(*where)
+        .group_by(Step.run_id, Step.rank, bucket)
+    )  # fmt: skip
+    names = ["run_id", "rank", "level", "bucket_start", *columns, "step_count"]
+    statement = insert_for(dialect, StepRollupLevel).from_select(names, rows)
+    return statement.on_conflict_do_update(
+        index_elements=["run_id", "rank", "level", "bucket_start"],
+        set_={name: statement.excluded[name] for name in (*columns, "step_count")},
+    )
+
+
 def _param(name: str) -> Any:
     return bindparam(name, type_=BigInteger)
 
@@ -128,6 +155,7 @@ class _Refresh:
     layer-heavy batch's ~110, against ~3 ms of SQL."""
 
     counted: Any
+    fine: Any
     finest: Any
     levels: tuple[tuple[int, Any], ...]
     totals: Any
@@ -144,10 +172,12 @@ def _refresh_statements(dialect: str) -> _Refresh:
         StepRollup.rank == rank,
         StepRollup.bucket_start.between(low, high),
     )
+    in_span = (Step.run_id == run_id, Step.rank == rank, Step.step.between(low, high))
+    fine = fine_rows(dialect, *in_span)
     bucket = (Step.step // ROLLUP_WIDTH) * ROLLUP_WIDTH
     recomputed = (
         select(Step.run_id, Step.rank, bucket, *step_aggregates(), func.count())
-        .where(Step.run_id == run_id, Step.rank == rank, Step.step.between(low, high))
+        .where(*in_span)
         .group_by(Step.run_id, Step.rank, bucket)
     )
     statement = insert_for(dialect, StepRollup).from_select(
@@ -183,7 +213,7 @@ def _refresh_statements(dialect: str) -> _Refresh:
             ),
         },
     )
-    return _Refresh(counted, finest, tuple(levels), totals)
+    return _Refresh(counted, fine, finest, tuple(levels), totals)
 
 
 def refresh_step_rollups(
@@ -207,6 +237,7 @@ def refresh_step_rollups(
             "high": last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1,
         }
         steps_before, skipped_before = connection.execute(statements.counted, span).one()
+        connection.execute(statements.fine, span)
         connection.execute(statements.finest, span)
         for level, statement in statements.levels:
             connection.execute(

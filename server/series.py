@@ -44,7 +44,7 @@ from ampwatch.agent.wire import (
 from ampwatch.server.layer_rollups import FINEST, Piece, plan_reads
 from ampwatch.server.models import Layer, Module, Step
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
-from ampwatch.server.rollups import level_source, rollup_aggregates, step_aggregates
+from ampwatch.server.rollups import STEP_LEVELS, level_source, rollup_aggregates, step_aggregates
 from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
 from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
 from ampwatch.server.segments import reduce_at
@@ -163,7 +163,7 @@ def step_series(
         return _columns(list(_buckets_from(rows).values()), 1, lr_groups)
 
     width = bucket_width_for(low, high, max_points // 2)
-    plan = plan_reads(low, high, width, None)
+    plan = plan_reads(low, high, width, None, STEP_LEVELS)
     pieces: list[Piece] = [(None, low, high)]
     if plan is not None:
         # Whole buckets of the coarsest level no wider than the answer's from its rollups,

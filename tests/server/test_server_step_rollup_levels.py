@@ -22,6 +22,7 @@ from ampwatch.server import migrate, series
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS
 from ampwatch.server.models import Step, StepRollup, StepRollupLevel
+from ampwatch.server.rollups import FINE_LEVEL, ROLLUP_WIDTH, STEP_LEVELS
 from ampwatch.server.schemas.wire import BatchIn
 
 _run_ids = itertools.count()
@@ -101,7 +102,7 @@ def _stored(row: StepRollup | StepRollupLevel) -> tuple[Any, ...]:
 def _levels(session: Session, run_id: int) -> dict[tuple[int, int, int], tuple[Any, ...]]:
     """(rank, level, bucket_start) -> stored rollup, every level."""
     out = {
-        (r.rank, LAYER_LEVELS[0], r.bucket_start): _stored(r)
+        (r.rank, ROLLUP_WIDTH, r.bucket_start): _stored(r)
         for r in session.scalars(select(StepRollup).where(StepRollup.run_id == run_id))
     }
     for r in session.scalars(select(StepRollupLevel).where(StepRollupLevel.run_id == run_id)):
@@ -126,7 +127,7 @@ def test_every_level_equals_a_direct_aggregation_of_the_raw_steps(
         got = _levels(session, run_id)
     groups: dict[tuple[int, int, int], list[Any]] = {}
     for row in raw:
-        for level in LAYER_LEVELS:
+        for level in STEP_LEVELS:
             groups.setdefault((row.rank, level, row.step // level * level), []).append(row)
     assert got == {key: _aggregate(rows) for key, rows in groups.items()}
 
@@ -197,7 +198,7 @@ def test_the_series_equals_a_direct_min_max_per_bucket_at_every_zoom(
         windows = [
             (None, None, 500), (None, None, 40), (None, None, 6), (None, None, 4_000),
             (12_345, 67_890, 300), (39_999, 40_101, 20), (65_535, 131_073, 200),
-            (100_000, 100_500, 100), (70_000, 70_002, 100),
+            (100_000, 100_500, 100), (70_000, 70_002, 100), (30_001, 69_999, 2_000),
         ]  # fmt: skip
         for start, end, max_points in windows:
             answer = series.step_series(
@@ -213,17 +214,20 @@ def test_the_series_equals_a_direct_min_max_per_bucket_at_every_zoom(
             assert _answer(answer) == _direct_series(in_window, width), (start, end, width)
             if start is None:  # every skip and every step accounted for
                 assert sum(answer.skipped_count) == sum(r.skipped for r in raw)
+        zoomed = series.step_series(session, run_id, 0, start=30_001, end=69_999, max_points=2_000)
+        assert zoomed.bucket_width % FINE_LEVEL == 0 and zoomed.bucket_width < ROLLUP_WIDTH
         whole = series.step_series(session, run_id, 0, max_points=500)
         assert whole.bucket_width % LAYER_LEVELS[1] == 0  # read from the 256-step level
         losses = _answer(whole)["loss"]
         assert "nan" in losses and math.inf in losses and 55.0 in losses and -4.0 in losses
 
 
-def test_migration_0012_backfills_the_levels_ingest_writes(
+def test_migrations_0012_and_0014_backfill_the_levels_ingest_writes(
     sessions: sessionmaker[Session], db_url: str
 ) -> None:
-    """Levels of a run stored before revision 0012 equal what ingest writes: ingest at
-    head, go down to 0011 (the levels dropped, the 64-step rollups kept) and up again."""
+    """Levels of a run stored before revision 0012 or 0014 equal what ingest writes: ingest
+    at head, go down to 0011 (the levels dropped, the 64-step rollups kept) or to 0013
+    (the 16-step level dropped), and up again."""
     steps = [
         {"step": s, "rank": s % 2, "skipped": s % 7 == 0, "loss": math.nan if s == 5_000 else s,
          "loss_scale": 1.0, "grad_norm": None, "lr": -math.inf if s == 9_999 else 0.5}
@@ -238,7 +242,10 @@ def test_migration_0012_backfills_the_levels_ingest_writes(
             return _levels(session, run_id)
 
     ingested = stored()
-    assert {level for _, level, _ in ingested} == set(LAYER_LEVELS)
-    migrate.downgrade(db_url, "0011")
-    migrate.upgrade(db_url)
-    assert stored() == ingested
+    assert {level for _, level, _ in ingested} == set(STEP_LEVELS)
+    for before in ("0011", "0013"):  # 0012 backfills the coarse levels, 0014 the fine one
+        migrate.downgrade(db_url, before)
+        if before == "0013":  # (at 0011 the rollups lack columns the models read)
+            assert FINE_LEVEL not in {level for _, level, _ in stored()}
+        migrate.upgrade(db_url)
+        assert stored() == ingested
