@@ -39,7 +39,6 @@ from sqlalchemy.orm import Session, sessionmaker
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import LayerRollup, LayerStat, Run
 from ampwatch.server.packed import MISSING_BITS, unpack_matrix
-from ampwatch.server.segments import reduce_at
 
 #: Bucket widths in steps, finest first; each divides the next.
 LEVEL_FACTOR = 4
@@ -161,15 +160,15 @@ def _reduce(parts: list[tuple[str, int, Extremes]], level: int) -> dict[tuple[st
     rows = _widened([e for _, _, e in parts])
     max_v, max_m = np.stack([r.maxima for r in rows]), np.stack([r.max_missing for r in rows])
     min_v, min_m = np.stack([r.minima for r in rows]), np.stack([r.min_missing for r in rows])
-    max_none = reduce_at(np.logical_and, max_m, starts)
-    maxima = reduce_at(np.maximum, np.where(max_m, -np.inf, max_v), starts)
+    max_none = np.logical_and.reduceat(max_m, starts, axis=0)
+    maxima = np.maximum.reduceat(np.where(max_m, -np.inf, max_v), starts, axis=0)
     maxima[max_none] = np.nan
     nan = np.isnan(min_v) & ~min_m
     ordinary = ~(min_m | nan)
-    has_ordinary = reduce_at(np.logical_or, ordinary, starts)
-    minima = reduce_at(np.minimum, np.where(ordinary, min_v, np.inf), starts)
+    has_ordinary = np.logical_or.reduceat(ordinary, starts, axis=0)
+    minima = np.minimum.reduceat(np.where(ordinary, min_v, np.inf), starts, axis=0)
     minima = np.where(has_ordinary, minima, np.nan)
-    min_none = ~(has_ordinary | reduce_at(np.logical_or, nan, starts))
+    min_none = ~(has_ordinary | np.logical_or.reduceat(nan, starts, axis=0))
     firsts = np.minimum.reduceat(np.array([r.first_step for r in rows]), starts)
     lasts = np.maximum.reduceat(np.array([r.last_step for r in rows]), starts)
     counts = np.add.reduceat(np.array([r.samples for r in rows]), starts)

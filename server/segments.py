@@ -1,5 +1,6 @@
 """Reductions over consecutive segments of a matrix's rows or columns: the buckets of a
-downsampled heatmap, a rollup level built from the one below.
+downsampled heatmap or layer series (ingest's rollups reduce a batch's few rows, where
+numpy's `reduceat` is as fast: 9 against 27 us for 4 rows of 500 layers).
 
 `ufunc.reduceat` does this, but along the rows of a matrix numpy 2.4 runs it ~20x slower
 than a reduction over a reshaped block (a 1,954 x 1,000 matrix into pairs of rows: 23 ms
