@@ -7,8 +7,11 @@ folder on `sys.path`), so the two suites time the same loop."""
 from __future__ import annotations
 
 import gzip
+import os
 import statistics
+import threading
 import time
+from pathlib import Path
 from typing import Any
 
 import orjson
@@ -60,6 +63,18 @@ class Trainer:
 def slowdown(watched: list[float], bare: list[float]) -> float:
     """Median ratio of interleaved watched/bare step times (1.0: no slowdown)."""
     return statistics.median(w / b for w, b in zip(watched, bare, strict=True))
+
+
+def thread_cpu_seconds(name: str) -> float:
+    """CPU seconds (user + system) the thread of this process called `name` has used, from
+    /proc (Linux): what a thread costs, which a loaded machine's scheduling does not move
+    as it moves wall-clock step times."""
+    for thread in threading.enumerate():
+        if thread.name == name and thread.native_id is not None:
+            stat = Path(f"/proc/self/task/{thread.native_id}/stat").read_text()
+            fields = stat.rsplit(")", 1)[1].split()  # after the name: field 3 onwards
+            return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    raise LookupError(f"no thread named {name}")
 
 
 def p99(values: list[float]) -> float:
