@@ -115,12 +115,7 @@ def level_rows(
         .where(*of_level, *where)
         .group_by(source.run_id, source.rank, bucket)
     )  # fmt: skip
-    names = ["run_id", "rank", "level", "bucket_start", *columns, "step_count"]
-    statement = insert_for(dialect, StepRollupLevel).from_select(names, rows)
-    return statement.on_conflict_do_update(
-        index_elements=["run_id", "rank", "level", "bucket_start"],
-        set_={name: statement.excluded[name] for name in (*columns, "step_count")},
-    )
+    return _upsert_level_rows(dialect, rows, columns)
 
 
 def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS) -> Any:
@@ -135,6 +130,12 @@ def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUM
         .where(*where)
         .group_by(Step.run_id, Step.rank, bucket)
     )  # fmt: skip
+    return _upsert_level_rows(dialect, rows, columns)
+
+
+def _upsert_level_rows(dialect: str, rows: Any, columns: tuple[str, ...]) -> Any:
+    """`rows` (run, rank, level, bucket start, `columns`, step count) upserted into
+    `step_rollup_levels`."""
     names = ["run_id", "rank", "level", "bucket_start", *columns, "step_count"]
     statement = insert_for(dialect, StepRollupLevel).from_select(names, rows)
     return statement.on_conflict_do_update(
