@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
+import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.orm import Session
 
@@ -35,4 +36,5 @@ def upgrade() -> None:
 
 
 def downgrade() -> None:
-    op.execute(f"DELETE FROM step_rollup_levels WHERE level = {_LEVEL}")
+    levels = sa.table("step_rollup_levels", sa.column("level"))
+    op.execute(sa.delete(levels).where(levels.c.level == _LEVEL))
