@@ -11,10 +11,13 @@ no header, can hold several runs, and replaying it twice stores nothing twice.
 The spool is a directory of such files ("segments", named by their first seq and the
 writing process's nonce, appended to, deleted once every batch in them is acknowledged),
 bounded by `max_bytes`: when full it
-empties the oldest batches of their layer statistics first, then of steps and events, and
+empties the oldest batches of their layer statistics first, then of their steps, and
 writes what it removed into that batch's own "dropped" field (so the count arrives with the
-seq; a batch the collector already stored is a duplicate, and nothing was lost). Only when
-the spool holds nothing but such empty batches are the oldest segments deleted.
+seq; a batch the collector already stored is a duplicate, and nothing was lost). Segments
+left with nothing but such counts are deleted first (their counts are reported again), and
+older segments go whole before the newest one loses a step (`Spool._shrink`). Events (run
+start and end, checkpoints: a few per run) are never emptied, and the newest segment is
+never deleted, so the run's end always arrives.
 
 A process that dies leaves its segments behind; the next `Spool` of the same directory
 (the next `watch()` of the same run) adopts them and replays them first, unchanged, so
@@ -37,7 +40,7 @@ import urllib.parse
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -54,8 +57,6 @@ LOCK_SUFFIX = ".lock"
 _SEGMENT_NAME = re.compile(r"^\d{12}-(?P<nonce>[0-9a-f]{8})" + re.escape(SEGMENT_SUFFIX) + "$")
 #: Longest folder name used as is; longer run ids are cut and suffixed with their hash.
 _MAX_FOLDER_NAME = 200
-#: What the bound empties first: the bulky sampled statistics, then the alerting series.
-STRIP_ORDER: tuple[tuple[str, ...], ...] = (("layer_stats",), ("steps", "events"))
 
 
 def spool_folder_name(client_run_id: str) -> str:
@@ -353,24 +354,46 @@ class Spool:
         return {kind: entry.records[kind] + entry.drops[kind] for kind in wire.DROPPED_KINDS}
 
     def _shrink(self, target: int) -> tuple[dict[str, int], dict[str, int]]:
-        """Hysteresis (down to `target`, not just the bound): a full spool is rewritten
-        once per several batches, not once per batch."""
+        """Down to `target` (hysteresis, not just the bound: a full spool is rewritten once
+        per several batches, not once per batch), losing the least first: batches left with
+        only counts (reported again), the oldest layer statistics, the steps of all but the
+        newest segment, older segments whole, and last the newest segment's steps."""
         self._head = None
         emptied: dict[str, int] = {}
-        for kinds in STRIP_ORDER:
-            for segment in self._segments:
-                if self.nbytes <= target:
-                    return emptied, {}
-                self._strip_segment(segment, kinds, target, emptied)
         lost: dict[str, int] = {}
+        self._delete_oldest(target, lost, only_empty=True)
+        self._strip(self._segments, ("layer_stats",), target, emptied)
+        self._delete_oldest(target, lost, only_empty=True)
+        self._strip(list(self._segments)[:-1], ("steps",), target, emptied)
+        self._delete_oldest(target, lost, only_empty=False)
+        self._strip(self._segments, ("steps",), target, emptied)
+        return emptied, lost
+
+    def _strip(
+        self,
+        segments: Iterable[_Segment],
+        kinds: tuple[str, ...],
+        target: int,
+        emptied: dict[str, int],
+    ) -> None:
+        for segment in segments:
+            if self.nbytes <= target:
+                return
+            self._strip_segment(segment, kinds, target, emptied)
+
+    def _delete_oldest(self, target: int, lost: dict[str, int], *, only_empty: bool) -> None:
+        """Delete the oldest segments (never the newest) while over `target`, adding what
+        they held and carried to `lost`; `only_empty`: stop at one that holds a record."""
         while self.nbytes > target and len(self._segments) > 1:
-            segment = self._segments.popleft()
+            segment = self._segments[0]
+            if only_empty and any(any(entry.records.values()) for entry in segment.entries):
+                return
+            self._segments.popleft()
             for entry in segment.entries:
                 for kind in wire.DROPPED_KINDS:
                     lost[kind] = lost.get(kind, 0) + entry.records[kind] + entry.drops[kind]
                 self.nbytes -= entry.length
             self._delete(segment)
-        return emptied, lost
 
     def _strip_segment(
         self, segment: _Segment, kinds: tuple[str, ...], target: int, emptied: dict[str, int]

@@ -32,7 +32,7 @@ RUN: wire.RunRef = {"client_run_id": "c0ffee", "name": "t", "project": "default"
 KINDS = wire.DROPPED_KINDS
 
 
-def _frame(seq: int, steps: int = 2, layers: int = 2, names: int = 50) -> Frame:
+def _frame(seq: int, steps: int = 2, layers: int = 2, names: int = 50, events: int = 0) -> Frame:
     batch = {
         "wire_version": wire.WIRE_VERSION,
         "run": RUN,
@@ -46,13 +46,12 @@ def _frame(seq: int, steps: int = 2, layers: int = 2, names: int = 50) -> Frame:
             }
             for _ in range(layers)
         ],
-        "events": [],
+        "events": [{"kind": "checkpoint", "step": seq, "time": 0.0, "data": {}}] * events,
         "dropped": dict.fromkeys(KINDS, 0),
     }
     body = gzip.compress(json.dumps(batch).encode())
-    return Frame(
-        seq, body, {"steps": steps, "layer_stats": layers, "events": 0}, dict.fromkeys(KINDS, 0)
-    )
+    records = {"steps": steps, "layer_stats": layers, "events": events}
+    return Frame(seq, body, records, dict.fromkeys(KINDS, 0))
 
 
 def _batches(spool: Spool) -> list[dict[str, Any]]:
@@ -142,6 +141,31 @@ def test_only_empty_batches_left_then_the_oldest_segments_go_and_are_counted(
     # every step is delivered, counted in a delivered batch, or reported as lost
     assert delivered + in_dropped + lost_total["steps"] == 40 * 50
     assert emptied_total["steps"] > 0 and lost_total["steps"] > 0
+
+
+def test_a_spool_too_small_for_the_outage_keeps_the_newest_batch_and_every_event_it_can(
+    tmp_path: Path,
+) -> None:
+    """Seen in CI: a spool a few batches deep emptied the newest batch of its steps and
+    events (the run-end event with them) before deleting segments of batches that held only
+    counts, and the run never ended on the server. Now events are never emptied, batches
+    holding only counts go first, and older segments go whole before the newest batch
+    loses a step."""
+    size = len(encode_frame(_frame(0, steps=10, layers=10, names=40).body))
+    spool = Spool(tmp_path, max_bytes=9 * size, segment_bytes=4 * size)
+    lost_total = dict.fromkeys(KINDS, 0)
+    for seq in range(200):
+        emptied, lost = spool.append(_frame(seq, steps=10, layers=10, names=40, events=1))
+        assert "events" not in emptied
+        for kind in KINDS:
+            lost_total[kind] += lost.get(kind, 0)
+        assert spool.nbytes <= spool.max_bytes
+        newest = spool._segments[-1].entries[-1]
+        assert (newest.seq, newest.records["steps"], newest.records["events"]) == (seq, 10, 1)
+    assert lost_total["events"] > 0  # the bound did delete whole segments
+    batches = _batches(spool)
+    assert all(len(b["events"]) == 1 for b in batches)
+    assert len(batches) + lost_total["events"] == 200
 
 
 # --- Sender: outage, spool, replay -------------------------------------------------------
