@@ -3,16 +3,16 @@ activation_norm_spike's threshold (min, max, steps judged above: `THRESHOLD_COLU
 
 Written by ingest (`refresh_step_rollups`, in the batch's transaction, after the rule
 engine wrote its per-step thresholds onto the steps), read by the
-downsampled step series (`ampwatch.server.series`). A rollup row is always recomputed from
-the raw `steps` rows of its bucket, never merged incrementally, so a step re-sent with a
-new value cannot leave a stale extreme behind, and NaN ordering is the database's own
-(NaN above every number, in SQLite as the text 'NaN' and in PostgreSQL natively) on the
-raw and the rolled-up path alike.
+downsampled step series (`ampwatch.server.series`). A rollup row is always recomputed
+whole, never merged incrementally, so a step re-sent with a new value cannot leave a stale
+extreme behind, and NaN ordering is the database's own (NaN above every number, in SQLite
+as the text 'NaN' and in PostgreSQL natively) on the raw and the rolled-up path alike.
 
-Beside the 64-step rollups, `step_rollup_levels` holds a finer level (`FINE_LEVEL`, 16
-steps, from the raw steps too) and the coarser levels of the layer rollups
-(`LAYER_LEVELS`: 256 .. 65,536 steps, by 4), each bucket recomputed in the same
-transaction from the buckets of the level below it that the batch touched: min of minima,
+The levels: `step_rollup_levels` holds the finest (`FINE_LEVEL`, 16 steps, recomputed from
+the raw steps of its bucket); the 64-step rollups of `step_rollups` come from it, and the
+coarser levels of the layer rollups (`LAYER_LEVELS`: 256 .. 65,536 steps, by 4, in
+`step_rollup_levels` again) each from the level below, every bucket the batch touched
+recomputed in the same transaction from the level below's buckets: min of minima,
 max of maxima and sums of counts compose, so every level equals a direct aggregation of
 the raw steps, and a whole-run series, or a zoomed window, reads a bounded number of rows
 at any run length (`plan_reads`, shared with the layer rollups).
@@ -109,13 +109,13 @@ def level_rows(
     bucket = (source.bucket_start // level) * level
     rows = (
         select(
-            source.run_id, source.rank, literal(level, Integer), bucket,
+            source.run_id, source.rank, *_level_key(level), bucket,
             *rollup_aggregates(source, columns), func.sum(source.step_count),
         )
         .where(*of_level, *where)
         .group_by(source.run_id, source.rank, bucket)
     )  # fmt: skip
-    return _upsert_level_rows(dialect, rows, columns)
+    return _upsert_rows(dialect, level, rows, columns)
 
 
 def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS) -> Any:
@@ -124,22 +124,28 @@ def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUM
     bucket = (Step.step // FINE_LEVEL) * FINE_LEVEL
     rows = (
         select(
-            Step.run_id, Step.rank, literal(FINE_LEVEL, Integer), bucket,
+            Step.run_id, Step.rank, *_level_key(FINE_LEVEL), bucket,
             *step_aggregates(columns), func.count(),
         )
         .where(*where)
         .group_by(Step.run_id, Step.rank, bucket)
     )  # fmt: skip
-    return _upsert_level_rows(dialect, rows, columns)
+    return _upsert_rows(dialect, FINE_LEVEL, rows, columns)
 
 
-def _upsert_level_rows(dialect: str, rows: Any, columns: tuple[str, ...]) -> Any:
-    """`rows` (run, rank, level, bucket start, `columns`, step count) upserted into
-    `step_rollup_levels`."""
-    names = ["run_id", "rank", "level", "bucket_start", *columns, "step_count"]
-    statement = insert_for(dialect, StepRollupLevel).from_select(names, rows)
+def _level_key(level: int) -> list[Any]:
+    """The `level` column's value for a level's rows (`step_rollups` has no such column)."""
+    return [] if level == ROLLUP_WIDTH else [literal(level, Integer)]
+
+
+def _upsert_rows(dialect: str, level: int, rows: Any, columns: tuple[str, ...]) -> Any:
+    """`rows` (run, rank, [level,] bucket start, `columns`, step count) upserted into the
+    table of `level` (`level_source`)."""
+    table, _ = level_source(level)
+    key = ["run_id", "rank", *(["level"] if _level_key(level) else []), "bucket_start"]
+    statement = insert_for(dialect, table).from_select([*key, *columns, "step_count"], rows)
     return statement.on_conflict_do_update(
-        index_elements=["run_id", "rank", "level", "bucket_start"],
+        index_elements=key,
         set_={name: statement.excluded[name] for name in (*columns, "step_count")},
     )
 
@@ -175,18 +181,14 @@ def _refresh_statements(dialect: str) -> _Refresh:
     )
     in_span = (Step.run_id == run_id, Step.rank == rank, Step.step.between(low, high))
     fine = fine_rows(dialect, *in_span)
-    bucket = (Step.step // ROLLUP_WIDTH) * ROLLUP_WIDTH
-    recomputed = (
-        select(Step.run_id, Step.rank, bucket, *step_aggregates(), func.count())
-        .where(*in_span)
-        .group_by(Step.run_id, Step.rank, bucket)
-    )
-    statement = insert_for(dialect, StepRollup).from_select(
-        ["run_id", "rank", "bucket_start", *ROLLUP_COLUMNS, "step_count"], recomputed
-    )
-    finest = statement.on_conflict_do_update(
-        index_elements=["run_id", "rank", "bucket_start"],
-        set_={name: statement.excluded[name] for name in (*ROLLUP_COLUMNS, "step_count")},
+    # From the fine level just refreshed over the same whole 64-step buckets: a quarter of
+    # the rows that aggregating the raw steps again would read.
+    finest = level_rows(
+        dialect,
+        ROLLUP_WIDTH,
+        StepRollupLevel.run_id == run_id,
+        StepRollupLevel.rank == rank,
+        StepRollupLevel.bucket_start.between(low, high),
     )
     levels = []
     for level in LAYER_LEVELS[1:]:
