@@ -166,6 +166,10 @@ def test_a_spool_too_small_for_the_outage_keeps_the_newest_batch_and_every_event
     batches = _batches(spool)
     assert all(len(b["events"]) == 1 for b in batches)
     assert len(batches) + lost_total["events"] == 200
+    for kind in ("steps", "layer_stats"):  # each record delivered, counted or lost, once
+        delivered = sum(len(b[kind]) for b in batches)
+        in_dropped = sum(b["dropped"][kind] for b in batches)
+        assert delivered + in_dropped + lost_total[kind] == 200 * 10, kind
 
 
 # --- Sender: outage, spool, replay -------------------------------------------------------
