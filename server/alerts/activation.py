@@ -20,7 +20,7 @@ import numpy as np
 
 from ampwatch.agent.wire import WireFloat, decode_float
 from ampwatch.server.alerts import rules
-from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.baselines import robust_baseline
@@ -113,7 +113,7 @@ def activation_spike(
     recent_spike = d.last_spike is not None and s - d.last_spike <= rule.scale_fall_window
     if (d.last_fall == s and falling and recent_spike
             and tracker.is_open("activation_norm_spike")):  # fmt: skip
-        tracker.holds("activation_norm_spike", s, lambda: _escalated(d), severity="critical")
+        tracker.holds("activation_norm_spike", s, _escalated(d), severity="critical")
     # A non-finite norm is a NaN/Inf forward pass: nan_loss's (or the skip's) business,
     # not a spike; it neither holds nor clears this rule.
     if baseline is None or d.calibrating or not math.isfinite(value):
@@ -151,12 +151,19 @@ def activation_spike(
     return threshold, True
 
 
-def _escalated(d: StepState) -> tuple[str, dict[str, Any]]:
+def _escalated(d: StepState) -> Detail:
+    """The escalation's message, of the state now: rendered at the batch's end, by when
+    the scale may have fallen again, out of the spike's window (a batch boundary must not
+    change what the alert says)."""
     value, spike, fall, scale = d.last_spike_value, d.last_spike, d.last_fall, d.scale
-    return (
-        (
-            f"final-layer activation norm spiked to {value} at step {spike} and the loss scale "
-            f"fell to {fmt(scale)} at step {fall}: the OPT-175B divergence signature"
-        ),
-        {"act_norm": value, "step": spike, "loss_scale": scale, "scale_fall_step": fall},
-    )
+
+    def detail() -> tuple[str, dict[str, Any]]:
+        return (
+            (
+                f"final-layer activation norm spiked to {value} at step {spike} and the loss "
+                f"scale fell to {fmt(scale)} at step {fall}: the OPT-175B divergence signature"
+            ),
+            {"act_norm": value, "step": spike, "loss_scale": scale, "scale_fall_step": fall},
+        )
+
+    return detail

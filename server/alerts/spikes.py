@@ -22,14 +22,12 @@ window at most `window_width` steps.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ampwatch.server.alerts import rules
+from ampwatch.server.alerts.lifecycle import Detail
 from ampwatch.server.baselines import robust_baseline
-
-Detail = Callable[[], tuple[str, dict[str, Any]]]
 
 
 @dataclass

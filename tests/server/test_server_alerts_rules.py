@@ -136,6 +136,23 @@ def test_a_spike_then_a_fall_escalates_to_critical(feed: Feed) -> None:
     assert alert.values["scale_fall_step"] == 305  # the second halving: a falling scale
 
 
+def test_the_escalation_says_the_fall_it_judged_not_a_later_one_in_its_batch(
+    feed: Feed,
+) -> None:
+    """Found by the batching property (test_server_alerts_batching): the escalation's
+    message was rendered from the state at the batch's end, so a later fall in the same
+    batch, long after the spike, showed as the signature's."""
+    feed.send_steps(healthy(1, 299))
+    feed.send(healthy(300, 1, act=60.0) + healthy(301, 3)
+              + healthy(304, 2, skips={304: 2048.0, 305: 1024.0})
+              + healthy(306, 94, scale=1024.0)
+              + healthy(400, 2, skips={400: 512.0, 401: 256.0})
+              + healthy(402, 5, scale=256.0))  # fmt: skip
+    (alert,) = feed.alerts(rule="activation_norm_spike")
+    assert (alert.values["scale_fall_step"], alert.values["loss_scale"]) == (305, 1024.0)
+    assert "fell to 1024 at step 305" in alert.message
+
+
 def test_one_halving_after_a_spike_is_not_a_falling_scale(feed: Feed) -> None:
     """A spiking step that overflows halves the scale once, as any single overflow does:
     that is not the OPT-175B signature (scale_fall_octaves=2)."""
