@@ -16,14 +16,12 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import numpy as np
-
 from ampwatch.agent.wire import WireFloat, decode_float
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.state import StepState
-from ampwatch.server.baselines import robust_baseline
+from ampwatch.server.baselines import Baseline
 from ampwatch.server.models import Severity
 from ampwatch.server.schemas.wire import StepIn
 
@@ -61,38 +59,6 @@ def firing_threshold(median: float, mad: float, rule: rules.ActivationNormSpike)
     return ratio if mad == 0 else max(ratio, median + rule.z_threshold * mad)
 
 
-def act_baselines(
-    ring: list[float], values: list[float | None], rule: rules.ActivationNormSpike
-) -> list[tuple[float, float] | None]:
-    """For each step's `values`, the (median, scaled MAD) of the finite norms of the
-    `baseline_steps` steps before it (the ring, then this batch's own), or None while too
-    few. Computed per step, so a batch boundary never changes a baseline; vectorised over
-    the steps whose window is full (all but a run's first `baseline_steps`)."""
-    if not values:
-        return []
-    finite = [v for v in values if v is not None and math.isfinite(v)]
-    series = np.asarray(ring + finite, dtype=np.float64)
-    ends = np.empty(len(values), dtype=np.intp)  # window end (exclusive) of each step
-    end = len(ring)
-    for i, value in enumerate(values):
-        ends[i] = end
-        if value is not None and math.isfinite(value):
-            end += 1
-    width = rule.baseline_steps
-    out: list[tuple[float, float] | None] = [None] * len(values)
-    full = np.flatnonzero(ends >= width)
-    if full.size:
-        windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[full] - width]
-        medians, mads = robust_baseline(windows, axis=1)
-        for i, median, mad in zip(full.tolist(), medians.tolist(), mads.tolist()):
-            out[i] = (median, mad)
-    for i in np.flatnonzero(ends < width).tolist():
-        if ends[i] >= rule.min_baseline_steps:
-            window = series[: ends[i]]
-            out[i] = robust_baseline(window)
-    return out
-
-
 def _scale_falling(d: StepState, s: int, rule: rules.ActivationNormSpike) -> bool:
     """The loss scale fell by 2^scale_fall_octaves within the last scale_fall_window steps."""
     octaves = sum(o for step, o in d.falls if s - step <= rule.scale_fall_window)
@@ -104,7 +70,7 @@ def activation_spike(
     d: StepState,
     s: int,
     value: float,
-    baseline: tuple[float, float] | None,
+    baseline: Baseline | None,
     rule: rules.ActivationNormSpike,
 ) -> tuple[float, bool] | None:
     """Judge step `s`'s `value`; returns (its firing threshold, spiking) when it judged."""
@@ -118,7 +84,7 @@ def activation_spike(
     # not a spike; it neither holds nor clears this rule.
     if baseline is None or d.calibrating or not math.isfinite(value):
         return None
-    median, mad = baseline
+    median, mad, _ = baseline
     threshold = firing_threshold(median, mad, rule)
     spiking = value >= rule.min_ratio * median and (
         mad == 0 or (value - median) / mad > rule.z_threshold

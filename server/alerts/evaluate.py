@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
 from ampwatch.server.alerts import rules, spikes
-from ampwatch.server.alerts.activation import act_baselines, act_value, activation_spike
+from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
 from ampwatch.server.alerts.layers import LayerSamples, LayerState
@@ -55,6 +55,7 @@ from ampwatch.server.alerts.scale import (
 )
 from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
+from ampwatch.server.baselines import remember, rolling_baselines
 from ampwatch.server.fp8_readiness import recipe_of
 from ampwatch.server.models import AlertState, Run
 from ampwatch.server.schemas.wire import BatchIn, StepIn
@@ -224,15 +225,23 @@ def _evaluate_steps(
     width = spikes.window_width(settings)
     steps = _primary_steps(state, records)
     values = [act_value(record, spike) for record in steps] if spike.enabled else []
-    baselines = act_baselines(d.act, values, spike)
-    new_act: list[float] = []
+    baselines = rolling_baselines(d.act, values, spike.baseline_steps, spike.min_baseline_steps)
+    # What the spike rules learn from each step, and each step's baseline before it.
+    losses = [decode_float(record.loss) if record.loss is not None else None for record in steps]
+    learned_losses, learned_norms, loss_baselines, norm_baselines = [], [], [], []
+    if loss_rule.enabled:
+        learned_losses = [spikes.learned(loss, r.skipped) for loss, r in zip(losses, steps)]
+        loss_baselines = spikes.baselines(recent.losses, learned_losses, loss_rule)
+    if norm_rule.enabled:
+        learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
+        norm_baselines = spikes.baselines(recent.grad_norms, learned_norms, norm_rule)
     judged: Judged = []
     for i, record in enumerate(steps):
         s = record.step
         if samples is not None:
             samples.judge_until(s)
         scale = finite(record.loss_scale)
-        loss = decode_float(record.loss) if record.loss is not None else None
+        loss = losses[i]
         skipped = record.skipped
         nan = loss is not None and not math.isfinite(loss)
         if skipped or nan:
@@ -296,12 +305,11 @@ def _evaluate_steps(
             judge_skip_rate(tracker, d, s, skipped, skip_rate)
         if burst.enabled and not d.calibrating:
             spikes.overflow_burst(tracker, recent, s, scale, burst)
-        if loss_rule.enabled:
-            spikes.loss_spike(tracker, recent, s, loss, skipped, not d.calibrating, loss_rule)
-        if norm_rule.enabled:
-            grad_norm = finite(record.grad_norm)
-            spikes.grad_norm_spike(tracker, recent, s, grad_norm, skipped,
-                                   not d.calibrating, norm_rule)  # fmt: skip
+        if loss_rule.enabled and not d.calibrating and (value := learned_losses[i]) is not None:
+            spikes.judge(tracker, "loss_spike", "loss", s, value, loss_baselines[i], loss_rule)
+        if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
+            spikes.judge(tracker, "grad_norm_spike", "global grad norm", s, norm,
+                         norm_baselines[i], norm_rule)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
                 d.nan_since = d.nan_since if d.nan_since is not None else s
@@ -310,16 +318,16 @@ def _evaluate_steps(
             else:
                 d.nan_since = None
                 tracker.clear("nan_loss", s)
-        if spike.enabled:
-            value = values[i]
-            if value is not None:
-                judgement = activation_spike(tracker, d, s, value, baselines[i], spike)
-                if judgement is not None:
-                    judged.append((record.rank, s, *judgement))
-                if math.isfinite(value):
-                    new_act.append(value)
+        if spike.enabled and (act := values[i]) is not None:
+            judgement = activation_spike(tracker, d, s, act, baselines[i], spike)
+            if judgement is not None:
+                judged.append((record.rank, s, *judgement))
         d.last_step = s
 
-    if new_act:
-        d.act = (d.act + new_act)[-spike.baseline_steps :]
+    if spike.enabled:
+        d.act = remember(d.act, values, spike.baseline_steps)
+    if loss_rule.enabled:
+        recent.losses = remember(recent.losses, learned_losses, loss_rule.baseline_samples)
+    if norm_rule.enabled:
+        recent.grad_norms = remember(recent.grad_norms, learned_norms, norm_rule.baseline_samples)
     return judged

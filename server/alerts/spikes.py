@@ -27,7 +27,7 @@ from typing import Any
 
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail
-from ampwatch.server.baselines import robust_baseline
+from ampwatch.server.baselines import Baseline, rolling_baselines
 
 
 @dataclass
@@ -118,73 +118,58 @@ class Spike:
 
 
 def judge_spike(
-    baseline: list[float],
+    baseline: Baseline | None,
     value: float,
     *,
-    min_samples: int,
     min_ratio: float,
     min_increase: float,
     z_threshold: float,
     z_min_samples: int,
 ) -> tuple[bool | None, Spike | None]:
-    """(spiking, the judgement); (None, None) while the baseline is too short."""
-    if len(baseline) < min_samples:
+    """(spiking, the judgement); (None, None) while the baseline is too short (None)."""
+    if baseline is None:
         return None, None
-    median, mad = robust_baseline(baseline)
-    if len(baseline) <= 1:
-        mad = 0.0
-    spike = Spike(value, median, mad, len(baseline))
+    median, mad, samples = baseline
+    spike = Spike(value, median, mad, samples)
     spiking = value >= min_ratio * median and value - median >= min_increase
-    if spiking and len(baseline) >= z_min_samples and mad > 0:
+    if spiking and samples >= z_min_samples and mad > 0:
         spiking = (value - median) / mad >= z_threshold
     return spiking, spike
 
 
-def _learn(baseline: list[float], value: float, size: int) -> None:
-    baseline.append(value)
-    if len(baseline) > size:
-        del baseline[: len(baseline) - size]
+def learned(value: float | None, skipped: bool) -> float | None:
+    """The value of a step that loss_spike and grad_norm_spike judge and learn: an applied
+    step's finite one. A non-finite loss is nan_loss's; a skipped step did not train the
+    model (a corrupted batch's huge loss overflowing its gradients is one skip the scaler
+    handles, and a storm of them is overflow_burst's), and its grad norm is Inf/NaN or a
+    stale repeat."""
+    return value if value is not None and not skipped and math.isfinite(value) else None
+
+
+def baselines(
+    ring: list[float], values: list[float | None], rule: rules.LossSpike | rules.GradNormSpike
+) -> list[Baseline | None]:
+    """Each step's baseline for `rule`, from its `learned` values (`rolling_baselines`)."""
+    return rolling_baselines(ring, values, rule.baseline_samples, rule.min_baseline_samples)
+
+
+def judge(
+    tracker: Any, name: str, what: str, s: int, value: float, baseline: Baseline | None,
+    rule: rules.LossSpike | rules.GradNormSpike,
+) -> None:  # fmt: skip
+    """Judge step `s`'s learned `value` (loss_spike: "loss"; grad_norm_spike: "global grad
+    norm") against its baseline."""
+    spiking, spike = judge_spike(baseline, value, min_ratio=rule.min_ratio,
+                                 min_increase=rule.min_increase, z_threshold=rule.z_threshold,
+                                 z_min_samples=rule.z_min_samples)  # fmt: skip
+    if spiking and spike is not None:
+        tracker.holds(name, s, _detail(what, s, spike))
+    elif spiking is not None:
+        tracker.clear(name, s)
 
 
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
-
-
-def loss_spike(
-    tracker: Any, state: RecentState, s: int, loss: float | None, skipped: bool, judged: bool,
-    rule: rules.LossSpike,
-) -> None:  # fmt: skip
-    """Judge an applied step's loss, then learn it. A non-finite loss is nan_loss's; a
-    skipped step's did not train the model (a corrupted batch's huge loss overflowing its
-    gradients is one skip the scaler handles), and a storm of them is overflow_burst's."""
-    if loss is not None and not skipped and math.isfinite(loss):
-        _judge_and_learn(tracker, "loss_spike", "loss", state.losses, s, loss, judged, rule)
-
-
-def grad_norm_spike(
-    tracker: Any, state: RecentState, s: int, norm: float | None, skipped: bool, judged: bool,
-    rule: rules.GradNormSpike,
-) -> None:  # fmt: skip
-    """Judge an applied step's grad norm (a skipped step's is Inf/NaN or a stale repeat)."""
-    if norm is not None and not skipped and math.isfinite(norm):
-        _judge_and_learn(tracker, "grad_norm_spike", "global grad norm", state.grad_norms, s,
-                         norm, judged, rule)  # fmt: skip
-
-
-def _judge_and_learn(
-    tracker: Any, name: str, what: str, baseline: list[float], s: int, value: float,
-    judged: bool, rule: rules.LossSpike | rules.GradNormSpike,
-) -> None:  # fmt: skip
-    if judged:
-        spiking, spike = judge_spike(baseline, value, min_samples=rule.min_baseline_samples,
-                                     min_ratio=rule.min_ratio, min_increase=rule.min_increase,
-                                     z_threshold=rule.z_threshold,
-                                     z_min_samples=rule.z_min_samples)  # fmt: skip
-        if spiking and spike is not None:
-            tracker.holds(name, s, _detail(what, s, spike))
-        elif spiking is not None:
-            tracker.clear(name, s)
-    _learn(baseline, value, rule.baseline_samples)
 
 
 def _detail(what: str, s: int, spike: Spike) -> Detail:
