@@ -35,8 +35,8 @@ def robust_baseline(
     missing (a chart's padded windows), else it propagates. Floats for `axis=None`, arrays
     otherwise. Robust: one spike in the window moves neither, so it stands out."""
     if axis is None and isinstance(values, list) and values and all(map(math.isfinite, values)):
-        # A rule's short window (a list): statistics.median gives the same values ~6x
-        # faster than numpy here, and spike rules judge twice per step (log imports).
+        # One short window as a list (the advisor's, per checkpoint it judges):
+        # statistics.median gives the same values ~6x faster than numpy here.
         center = statistics.median(values)
         return center, MAD_TO_SIGMA * statistics.median([abs(v - center) for v in values])
     array = np.asarray(values, dtype=np.float64)
