@@ -11,6 +11,7 @@ effective settings.
 
 from __future__ import annotations
 
+import itertools
 import math
 import statistics
 from typing import Any
@@ -69,15 +70,15 @@ def rolling_baselines(
     counted = np.asarray(kept, dtype=np.intp)
     ends = len(ring) + np.cumsum(counted) - counted  # window end (exclusive) of each value
     out: list[Baseline | None] = [None] * len(values)
-    full = np.flatnonzero(ends >= width)
-    if full.size:
-        windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[full] - width]
+    first_full = int(np.searchsorted(ends, width))  # `ends` never falls: the rest are full
+    if first_full < len(values):
+        windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[first_full:] - width]
         medians, mads = robust_baseline(windows, axis=1)
-        for i, median, mad in zip(full.tolist(), medians.tolist(), mads.tolist()):
-            out[i] = (median, mad, width)
-    for i in np.flatnonzero((ends < width) & (ends >= min_samples)).tolist():
+        out[first_full:] = zip(medians.tolist(), mads.tolist(), itertools.repeat(width))
+    for i in range(first_full):
         n = int(ends[i])
-        out[i] = (*robust_baseline(series[:n]), n)
+        if n >= min_samples:
+            out[i] = (*robust_baseline(series[:n]), n)
     return out
 
 

@@ -21,6 +21,7 @@ window at most `window_width` steps.
 
 from __future__ import annotations
 
+import bisect
 import math
 from dataclasses import asdict, dataclass, field
 from typing import Any
@@ -58,8 +59,11 @@ class RecentState:
             del self.window[:cut]
 
     def skipped_within(self, step: int, width: int, *, max_scale: float | None = None) -> list[int]:
-        """Skipped steps in (step - width, step], optionally only those at scale <= max_scale."""
-        return [s for s, scale, skipped in self.window if skipped and s > step - width
+        """Skipped steps in (step - width, step], optionally only those at scale <= max_scale.
+        The window is in step order: only its last steps are read (overflow_burst asks for
+        8 of its 50 at every step)."""
+        start = bisect.bisect_right(self.window, step - width, key=lambda w: int(w[0]))
+        return [s for s, scale, skipped in self.window[start:] if skipped
                 and (max_scale is None or (scale is not None and scale <= max_scale))]  # fmt: skip
 
     def skipped_run(self, step: int, width: int) -> list[int]:
