@@ -1,9 +1,9 @@
 """What healthy looks like, in one place for the alert rules (`ampwatch.server.alerts`) and
 the restart advisor (`ampwatch.server.advisor`): the default loss-scale line a healthy run
 stays at or above, and the robust baseline (median and scaled MAD) a spike is judged
-against, per step over a batch (`rolling_baselines`). The dashboard computes neither: it draws the lines the collector serves with the
-step series (`ampwatch.server.rule_lines`, `Step.act_threshold`), resolved with each run's
-effective settings.
+against, per step over a batch (`rolling_baselines`). The dashboard computes neither: it
+draws the lines the collector serves with the step series (`ampwatch.server.rule_lines`,
+`Step.act_threshold`), resolved with each run's effective settings.
 
     >>> robust_baseline([1.0, 2.0, 3.0, 100.0])
     (2.5, 1.4826)

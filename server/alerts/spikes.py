@@ -27,7 +27,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from ampwatch.server.alerts import rules
-from ampwatch.server.alerts.lifecycle import Detail
+from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.baselines import Baseline, rolling_baselines
 
 
@@ -158,7 +158,7 @@ def baselines(
 
 
 def judge(
-    tracker: Any, name: str, what: str, s: int, value: float, baseline: Baseline | None,
+    tracker: Tracker, name: str, what: str, s: int, value: float, baseline: Baseline | None,
     rule: rules.LossSpike | rules.GradNormSpike,
 ) -> None:  # fmt: skip
     """Judge step `s`'s learned `value` (loss_spike: "loss"; grad_norm_spike: "global grad
