@@ -21,6 +21,7 @@ from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
+from ampwatch.server.body_limit import BodyLimit
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
@@ -62,6 +63,8 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.state.sessionmaker = sessions
     app.state.migration_head = migrate.head_revision()
     app.state.ingest_counters = metrics.IngestCounters()
+    # Inside CountRejections: an ingest body refused for its size is counted.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
         metrics.CountRejections, path=INGEST_PATH, counters=app.state.ingest_counters
     )
@@ -81,7 +84,8 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.add_middleware(errors.RejectNul)
     app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)
-    # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
+    # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read
+    # (`deps.SessionRoute`).
     guard = [Depends(get_principal)]
     app.include_router(metrics_api.router, dependencies=guard, responses=AUTH_ERRORS)
     for api in (ingest, runs, run_data, webhooks, advisor, fp8):
