@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
@@ -79,6 +80,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         )
     app.add_exception_handler(auth.AuthError, _auth_error)
     app.add_exception_handler(RequestValidationError, errors.validation_error)
+    app.add_exception_handler(HTTPException, errors.http_error)
     for busy in (OperationalError, PoolTimeout):
         app.add_exception_handler(busy, errors.database_busy)
     app.add_middleware(errors.RejectNul)
@@ -103,7 +105,9 @@ def _auth_error(_request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, auth.AuthError)  # registered for it alone
     # RFC 6750: a 401 names the scheme the client should use.
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse({"detail": error.message}, status_code=error.status, headers=headers)
+    return JSONResponse(
+        {"detail": errors.bounded_message(error.message)}, status_code=error.status, headers=headers
+    )
 
 
 def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
