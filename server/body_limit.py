@@ -1,6 +1,8 @@
 """Every request body at most `AMPWATCH_MAX_BODY_BYTES`, whatever the route and the caller:
 a declared `Content-Length` above it is a 413 before a byte is read, and a body sent without
-one (chunked) is a 413 as soon as the bytes read pass it.
+one (chunked) is a 413 as soon as the bytes read pass it. An answer sent before the body
+was read to its end (a 413, a 401) closes the connection, so the server does not read and
+drop the rest of it either.
 
 Why at the ASGI level: FastAPI reads a route's JSON body whole before any dependency runs,
 so a per-route check, or the token check of `api.deps.get_principal`, came after the
@@ -44,27 +46,35 @@ class BodyLimit:
             await self.app(scope, receive, send)
             return
         limit = self.max_bytes
+        unread = False  # a body is on its way and not read to its end yet
         for name, value in scope["headers"]:
-            # The server has checked the header's syntax (h11, httptools): digits only.
-            if name == b"content-length" and value.isdigit() and int(value) > limit:
-                await _refuse(BodyTooLarge(limit), scope, receive, send)
-                return
+            if name == b"content-length":
+                # The server has checked the header's syntax (h11, httptools): digits only.
+                if value.isdigit() and int(value) > limit:
+                    await _refuse(BodyTooLarge(limit), scope, receive, send)
+                    return
+                unread = unread or value.strip(b"0") != b""
+            elif name == b"transfer-encoding":
+                unread = True
         received = 0
         started = False
 
         async def bounded_receive() -> Message:
-            nonlocal received
+            nonlocal received, unread
             message = await receive()
             if message["type"] == "http.request":
                 received += len(message.get("body", b""))
                 if received > limit:
                     raise BodyTooLarge(limit)
+                unread = unread and message.get("more_body", False)
             return message
 
         async def watched_send(message: Message) -> None:
             nonlocal started
             if message["type"] == "http.response.start":
                 started = True
+                if unread:  # answered without the body (a 401, say): not worth draining
+                    message["headers"] = [*message.get("headers", ()), _CLOSE]
             await send(message)
 
         try:
@@ -75,8 +85,11 @@ class BodyLimit:
             await _refuse(error, scope, receive, send)
 
 
+_CLOSE = (b"connection", b"close")
+
+
 async def _refuse(error: BodyTooLarge, scope: Scope, receive: Receive, send: Send) -> None:
-    # Closing the connection: the rest of the body is not worth reading to keep it open.
+    # The connection is closed: the rest of the body is not worth reading to keep it open.
     answer = JSONResponse(
         {"detail": error.detail}, status_code=error.status_code, headers={"Connection": "close"}
     )
