@@ -3,16 +3,22 @@
 The training thread only launches device reductions and copies; the sender thread calls
 `step_record` / `layer_record`, which wait for the copy (a CUDA event) and do the host-side
 arithmetic, so no statistic costs a host sync where it is measured.
+
+torch appears here in annotations only, and `agent.stats` (which imports it) is imported
+by `layer_record`: the log importer builds step records from parsed numbers through this
+module, and `ampwatch import`/`follow` must not spend seconds importing torch (nor fail on
+a collector host that has none) for that.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-
-import torch
+from typing import TYPE_CHECKING
 
 from ampwatch.agent import wire
-from ampwatch.agent.stats import histogram_spans, range_fractions
+
+if TYPE_CHECKING:
+    import torch
 
 
 @dataclass(slots=True)
@@ -88,6 +94,8 @@ def step_record(sample: StepSample) -> wire.StepRecord:
 
 
 def layer_record(sample: LayerSample) -> wire.LayerStatsRecord:
+    from ampwatch.agent.stats import histogram_spans, range_fractions
+
     _wait(sample.ready)
     stats, hists = range_fractions(sample.values.tolist(), sample.numels, direct=sample.direct)
     record: wire.LayerStatsRecord = {

@@ -8,6 +8,13 @@ NaN), and a NUL byte in a path or query parameter (PostgreSQL text rejects it). 
 - `validation_detail` renders validation errors as location, message and type only,
   never the input (which may be anything, a NaN or a megabyte of it), at most
   `MAX_REPORTED_ERRORS` of them;
+- no answer quotes more than a short, escaped prefix of what was sent (`clip`,
+  `bounded_message`): a 4 MB string as an unknown key, an unknown event kind, a
+  layer-statistic slot or an alert rule's name came back whole in a 422's location or
+  message (a ~1,000x amplification for a gzip body). Messages name the caller's values with
+  `repr` (`unknown rule 'x'`): every quoted span longer than `MAX_QUOTED` characters is
+  cut to that, and a message to `MAX_MESSAGE` in all, in the validation answer, in every
+  `HTTPException`'s detail (`http_error`) and in the middlewares' refusals;
 - `StrictJSONRequest` parses bodies with orjson, which refuses NaN/Infinity literals,
   numbers that overflow a double and nesting deeper than 1,024, as "JSON decode error"
   422s (the ingest route reads its body by hand, `api.ingest`);
@@ -19,6 +26,7 @@ NaN), and a NUL byte in a path or query parameter (PostgreSQL text rejects it). 
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Sequence
 from typing import Any
 
@@ -26,20 +34,59 @@ import orjson
 from fastapi import Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 #: A batch with thousands of bad values would otherwise answer with thousands of errors.
 MAX_REPORTED_ERRORS = 20
+#: The most characters of one value of the caller's an answer quotes (a location part, a
+#: quoted span of a message).
+MAX_QUOTED = 64
+#: The most characters of one message (the longest honest one lists the ~2,400 characters
+#: of the layer statistics' names).
+MAX_MESSAGE = 4096
+#: A span a message quotes with `repr`: '...' or "..." (escapes kept), not an apostrophe.
+_QUOTED = re.compile(r"""(?<!\w)(?:'(?:[^'\\]|\\.)*'|"(?:[^"\\]|\\.)*")""")
+
+
+def clip(text: str, limit: int = MAX_QUOTED) -> str:
+    """At most `limit` characters of `text`, control and non-ASCII characters escaped, and
+    how long it was when it was longer.
+
+    >>> clip("zero_fraction"), clip("x" * 100, 4)
+    ('zero_fraction', 'xxxx… (100 characters)')
+    """
+    head = text[:limit].encode("unicode_escape").decode("ascii")[:limit]
+    return head if len(text) <= limit else f"{head}… ({len(text)} characters)"
+
+
+def bounded_message(text: str) -> str:
+    """`text` with every quoted span cut to `MAX_QUOTED` characters (`clip`), then to
+    `MAX_MESSAGE` characters in all.
+
+    >>> bounded_message("unknown rule '" + "z" * 1000 + "'")
+    "unknown rule 'zzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzzz… (1000 characters)'"
+    """
+
+    def cut(quoted: re.Match[str]) -> str:
+        span = quoted.group(0)
+        if len(span) <= MAX_QUOTED + 2:
+            return span
+        return f"{span[0]}{clip(span[1:-1])}{span[0]}"
+
+    text = _QUOTED.sub(cut, text)
+    return text if len(text) <= MAX_MESSAGE else f"{text[:MAX_MESSAGE]}…"
 
 
 def validation_detail(errors: Sequence[Any]) -> list[dict[str, Any]]:
     """Pydantic/FastAPI errors as `{loc, msg, type}` dicts, at most MAX_REPORTED_ERRORS
-    (then one saying how many were left out): always renderable as strict JSON."""
+    (then one saying how many were left out): always renderable as strict JSON, quoting
+    no more than `clip` and `bounded_message` allow."""
     details = [
         {
-            "loc": [part if isinstance(part, int) else str(part) for part in error.get("loc", ())],
-            "msg": str(error.get("msg", "")),
-            "type": str(error.get("type", "")),
+            "loc": [part if isinstance(part, int) else clip(str(part)) for part in error.get("loc", ())],
+            "msg": bounded_message(str(error.get("msg", ""))),
+            "type": clip(str(error.get("type", ""))),
         }
         for error in errors[:MAX_REPORTED_ERRORS]
     ]
@@ -53,6 +100,16 @@ async def validation_error(_request: Request, error: Exception) -> JSONResponse:
     """The app's RequestValidationError handler (`main.create_app`)."""
     assert isinstance(error, RequestValidationError)
     return JSONResponse({"detail": validation_detail(error.errors())}, status_code=422)
+
+
+async def http_error(_request: Request, error: Exception) -> JSONResponse:
+    """The app's HTTPException handler: starlette's, with a message bounded
+    (`bounded_message`; a list detail comes from `validation_detail`)."""
+    assert isinstance(error, HTTPException)
+    detail = error.detail
+    if isinstance(detail, str):
+        detail = bounded_message(detail)
+    return JSONResponse({"detail": detail}, status_code=error.status_code, headers=error.headers)
 
 
 async def database_busy(_request: Request, _error: Exception) -> JSONResponse:

@@ -14,6 +14,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, RedirectResponse
 from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
+from starlette.exceptions import HTTPException
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
@@ -21,6 +22,7 @@ from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
+from ampwatch.server.body_limit import BodyLimit
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
@@ -62,6 +64,8 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.state.sessionmaker = sessions
     app.state.migration_head = migrate.head_revision()
     app.state.ingest_counters = metrics.IngestCounters()
+    # Inside CountRejections: an ingest body refused for its size is counted.
+    app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(
         metrics.CountRejections, path=INGEST_PATH, counters=app.state.ingest_counters
     )
@@ -76,12 +80,14 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         )
     app.add_exception_handler(auth.AuthError, _auth_error)
     app.add_exception_handler(RequestValidationError, errors.validation_error)
+    app.add_exception_handler(HTTPException, errors.http_error)
     for busy in (OperationalError, PoolTimeout):
         app.add_exception_handler(busy, errors.database_busy)
     app.add_middleware(errors.RejectNul)
     app.add_middleware(LocalTrustGuard, settings=settings)
     app.include_router(health.router)
-    # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read.
+    # Every API route needs a caller (`ampwatch.server.auth`), checked before its body is read
+    # (`deps.SessionRoute`).
     guard = [Depends(get_principal)]
     app.include_router(metrics_api.router, dependencies=guard, responses=AUTH_ERRORS)
     for api in (ingest, runs, run_data, webhooks, advisor, fp8):
@@ -99,7 +105,9 @@ def _auth_error(_request: Request, error: Exception) -> JSONResponse:
     assert isinstance(error, auth.AuthError)  # registered for it alone
     # RFC 6750: a 401 names the scheme the client should use.
     headers = {"WWW-Authenticate": "Bearer"} if error.status == 401 else None
-    return JSONResponse({"detail": error.message}, status_code=error.status, headers=headers)
+    return JSONResponse(
+        {"detail": errors.bounded_message(error.message)}, status_code=error.status, headers=headers
+    )
 
 
 def _mount_dashboard(app: FastAPI, settings: Settings) -> None:

@@ -30,6 +30,7 @@ from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Receive, Scope, Send
 
 from ampwatch.server.auth import is_loopback
+from ampwatch.server.errors import bounded_message
 from ampwatch.server.settings import Settings
 from ampwatch.server.webhook_client import DELIVERY_HEADER
 
@@ -83,6 +84,7 @@ class LocalTrustGuard:
             elif self._active and scope.get("path") not in PROBE_PATHS:
                 reason = foreign_browser_request(headers, scope["scheme"], self._settings)
             if reason is not None:
-                await JSONResponse({"detail": reason}, status_code=403)(scope, receive, send)
+                answer = JSONResponse({"detail": bounded_message(reason)}, status_code=403)
+                await answer(scope, receive, send)
                 return
         await self.app(scope, receive, send)

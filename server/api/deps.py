@@ -11,6 +11,7 @@ from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from ampwatch.server.auth import (
     ACCESS_EXTRA,
@@ -68,19 +69,27 @@ class SessionRoute(APIRoute):
     uses this class (`APIRouter(route_class=SessionRoute)`); endpoints return finished
     pydantic models, never ORM objects that would load after the close. Its JSON bodies
     are parsed strictly (`errors.StrictJSONRequest`).
+
+    Every route of this class has a caller (`main.create_app` guards each router with
+    `get_principal`), and the caller is resolved before the body is read: FastAPI reads a
+    JSON body whole before it runs any dependency, so a 50 MB body from a caller without a
+    token was read and parsed (+667 MiB, 5 s) before the 401. The size of a body is
+    bounded for every route (`body_limit.BodyLimit`).
     """
 
     def __init__(self, path: str, endpoint: Callable[..., Any], **kwargs: Any) -> None:
         super().__init__(path, _closing_sessions(endpoint), **kwargs)
 
     def get_route_handler(self) -> Callable[[Request], Coroutine[Any, Any, Response]]:
-        """Bodies are read as strict JSON (`errors.StrictJSONRequest`: NaN is a 422)."""
+        """The caller first (`resolve_caller`), then the body, read as strict JSON
+        (`errors.StrictJSONRequest`: NaN is a 422)."""
         handler = super().get_route_handler()
 
-        async def strict_json(request: Request) -> Response:
+        async def caller_first(request: Request) -> Response:
+            request.scope[_PRINCIPAL_KEY] = await run_in_threadpool(resolve_caller, request)
             return await handler(StrictJSONRequest(request.scope, request.receive))
 
-        return strict_json
+        return caller_first
 
 
 SettingsDep = Annotated[Settings, Depends(get_settings)]
@@ -106,23 +115,36 @@ SessionDep = Annotated[Session, Depends(get_session)]
 _bearer = HTTPBearer(auto_error=False, description="A project token or the admin token.")
 
 
-def get_principal(
-    request: Request,
-    settings: SettingsDep,
-    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
-) -> Principal:
+#: Where `SessionRoute` leaves the caller it resolved, for `get_principal`.
+_PRINCIPAL_KEY = "ampwatch.principal"
+
+
+def resolve_caller(request: Request) -> Principal:
     """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`;
     403 when the token's scope does not cover the route: `auth.required_access`).
 
     Uses a session of its own, closed before the endpoint runs, so that an endpoint that
     writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
+    settings = get_settings(request)
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
     access = required_access(request.method, declared)
     with request.app.state.sessionmaker() as session:
         peer = request.client.host if request.client else None
         authorization = request.headers.get("authorization")
         return resolve_principal(session, settings, authorization, access=access, peer=peer)
+
+
+async def get_principal(
+    request: Request,
+    _credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_bearer)],
+) -> Principal:
+    """The caller `SessionRoute` resolved before reading the body (`resolve_caller`), or
+    resolved now on a route of another class."""
+    principal = request.scope.get(_PRINCIPAL_KEY)
+    if isinstance(principal, Principal):
+        return principal
+    return await run_in_threadpool(resolve_caller, request)
 
 
 PrincipalDep = Annotated[Principal, Depends(get_principal)]

@@ -28,19 +28,15 @@ router = APIRouter(route_class=SessionRoute, tags=["ingest"])
 
 
 async def read_body(request: Request, settings: SettingsDep) -> bytes:
-    """The request body, decompressed, at most `settings.max_body_bytes` either way."""
+    """The request body, decompressed, at most `settings.max_body_bytes` either way (as
+    sent: `body_limit.BodyLimit`, for every route)."""
     limit = settings.max_body_bytes
     too_large = HTTPException(
         status_code=413, detail=f"batch larger than {limit} bytes; send smaller batches"
     )
-    declared = request.headers.get("content-length", "")
-    if declared.isdigit() and int(declared) > limit:
-        raise too_large
     body = bytearray()
     async for chunk in request.stream():
         body += chunk
-        if len(body) > limit:
-            raise too_large
     encoding = request.headers.get("content-encoding", "identity").strip().lower()
     if encoding in ("identity", ""):
         return bytes(body)

@@ -7,8 +7,6 @@ import argparse
 import sys
 from pathlib import Path
 
-import httpx
-
 from ampwatch.server.cli.options import add_database_url, settings_from
 
 
@@ -79,6 +77,8 @@ def cmd_age_layer_stats(args: argparse.Namespace) -> int:
 
 
 def cmd_fetch_plotly(args: argparse.Namespace) -> int:
+    import httpx
+
     from ampwatch.dashboard import plotly_bundle
 
     folder = Path(args.dir) if args.dir else None

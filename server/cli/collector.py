@@ -6,8 +6,6 @@ from __future__ import annotations
 import argparse
 import sys
 
-import httpx
-
 from ampwatch.server.cli.options import settings_from
 
 
@@ -53,6 +51,8 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
 
 
 def _collector_is_up(url: str) -> bool:
+    import httpx
+
     try:
         return httpx.get(f"{url}/healthz", timeout=2.0).status_code == 200
     except httpx.HTTPError:

@@ -4,8 +4,10 @@
 from __future__ import annotations
 
 import argparse
+from typing import TYPE_CHECKING
 
-from ampwatch.server.settings import Settings
+if TYPE_CHECKING:  # pydantic: imported by the commands that read settings, not by the parser
+    from ampwatch.server.settings import Settings
 
 
 def settings_from(args: argparse.Namespace) -> Settings:
@@ -14,6 +16,8 @@ def settings_from(args: argparse.Namespace) -> Settings:
     >>> settings_from(argparse.Namespace(workers=2, no_migrate=True)).migrate
     False
     """
+    from ampwatch.server.settings import Settings
+
     overrides = {
         key: value
         for key, value in {

@@ -9,10 +9,10 @@ import argparse
 import json
 import os
 import sys
+from typing import TYPE_CHECKING
 
-import httpx
-
-from ampwatch.server.settings import Settings
+if TYPE_CHECKING:  # imported where a command runs: building the parser needs neither
+    import httpx
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -54,6 +54,10 @@ class _ApiError(Exception):
 def _api(args: argparse.Namespace) -> httpx.Client:
     """A client for the collector's `/api/v1` at --url (AMPWATCH_URL), sending --token
     (AMPWATCH_TOKEN) when given."""
+    import httpx
+
+    from ampwatch.server.settings import Settings
+
     url = args.url or os.environ.get("AMPWATCH_URL") or Settings().public_url
     token = args.token or os.environ.get("AMPWATCH_TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -61,6 +65,8 @@ def _api(args: argparse.Namespace) -> httpx.Client:
 
 
 def _call(api: httpx.Client, method: str, path: str, **kwargs: object) -> httpx.Response:
+    import httpx
+
     try:
         response = api.request(method, path, **kwargs)  # type: ignore[arg-type]
     except httpx.HTTPError as error:

@@ -7,7 +7,10 @@ import argparse
 import sys
 
 from ampwatch.server.cli.options import add_database_url, settings_from
-from ampwatch.server.models import TOKEN_SCOPES
+
+#: `models.TOKEN_SCOPES`, spelled out: building the parser must not import SQLAlchemy (an
+#: agent-only install runs `ampwatch import`; a test checks the two agree).
+SCOPES = ("write", "read", "metrics")
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -20,7 +23,7 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     scope.add_argument("--admin", action="store_true", help="a token for every project (operators)")
     create.add_argument(
         "--scope",
-        choices=TOKEN_SCOPES,
+        choices=SCOPES,
         default="write",
         help="write (default): read and write; read: read only (a dashboard); metrics: "
         "scrape /metrics only (a Prometheus; with --admin, every project's series)",

@@ -8,7 +8,7 @@ import argparse
 import os
 import sys
 
-from ampwatch.server.cli.options import settings_from
+from ampwatch.agent import config
 
 
 def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> None:
@@ -30,9 +30,10 @@ def cmd_upload(args: argparse.Namespace) -> int:
     if not os.path.exists(args.path):
         print(f"ampwatch upload: {args.path} does not exist", file=sys.stderr)
         return 2
-    url = args.url or os.environ.get("AMPWATCH_URL") or settings_from(args).public_url
-    token = args.token or os.environ.get("AMPWATCH_TOKEN")
-    report = upload(args.path, url, token=token)
+    # As the agent and `ampwatch import` resolve them: an agent-only install has no Settings.
+    target = config.resolve(url=args.url, token=args.token)
+    url = target.url
+    report = upload(args.path, url, token=target.token)
     print(
         f"{args.path} -> {url}: {report.stored} batches stored, {report.duplicates} "
         f"already there, {report.rejected} rejected, {report.corrupt} unreadable, "
