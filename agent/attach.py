@@ -252,6 +252,7 @@ def watch(
             "fp8_stats_every": fp8_stats_every,
             "fp8_recipe": fp8_recipe,
             "mode": "automatic" if optimizers else "manual",
+            "sharding": handle._sharded,
             "step_scalars_from": "every rank" if steps_from_every_rank else "rank 0",
             **info,
         },

@@ -14,7 +14,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent import clipping, config, fp8
+from ampwatch.agent import clipping, config, fp8, shards
 from ampwatch.agent.handle import Lifecycle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
 from ampwatch.agent.manual import manual_sample
@@ -62,8 +62,9 @@ class AttachedHandle(StepSampling):
         self._model = model
         #: Walked once: `named_parameters()` recurses through every module on each call
         #: (~65 us of a 3M-parameter model's per-step work); parameters added to the model
-        #: after watch() are not measured.
-        self._named_params = list(model.named_parameters())
+        #: after watch() are not measured. Named as the user's model names them (`shards`).
+        self._named_params = shards.named_parameters(model)
+        self._sharded = shards.sharding(model, (p for _, p in self._named_params))
         self._optimizers = optimizers
         self._scaler = scaler
         self._sender = sender
@@ -97,6 +98,7 @@ class AttachedHandle(StepSampling):
         self._detach_actions.append(self._probe.finish)
         if optimizers:
             self._detach_actions.append(clipping.observe(self._on_clip))
+        check: clipping.ScaledClipCheck | None = None
         if scaler is not None:
             self._tap = ScalerTap(
                 scaler,
@@ -118,6 +120,7 @@ class AttachedHandle(StepSampling):
             self._add_hook(first.register_step_post_hook(self._optimizer_post_step))
         if optimizers:  # after ScaledClipCheck: it runs first and flags still-scaled grads
             self._detach_actions.append(clipping.register(self._before_clip))
+            self._tap_fsdp1_clip(model, check)
         self._watched = [o for o in (model, *optimizers, scaler) if o is not None]
         attached.update(self._watched)
         atexit.register(self._at_exit)
@@ -150,6 +153,19 @@ class AttachedHandle(StepSampling):
                 self._send(sample)
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._on_error(exc)
+
+    def _tap_fsdp1_clip(self, model: nn.Module, check: clipping.ScaledClipCheck | None) -> None:
+        """FSDP1 clips through the root's own method, not torch's function: see its calls."""
+        roots = shards.fsdp1_modules(model)
+        if not roots:
+            return
+
+        def before(params: list[torch.Tensor]) -> None:
+            if check is not None:
+                check(params)
+            self._before_clip(params)
+
+        self._detach_actions.append(shards.tap_fsdp1_clip(roots[0], before, self._on_clip))
 
     def _release(self) -> None:
         atexit.unregister(self._at_exit)
@@ -221,6 +237,8 @@ def attach_findings(handle: AttachedHandle, model: nn.Module, unscaled: bool) ->
             params=bf16[:20],
             count=len(bf16),
         )
+    if shards.has_flat_params(name for name, _ in handle._named_params):
+        handle._finding("flat_params", shards.FLAT_PARAMS)
     if fp8 := params_of_dtype(model, FP8, buffers=True):
         handle._finding(
             "fp8_in_use",

@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import gzip
 import json
+import logging
 import threading
 import uuid
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -33,6 +35,7 @@ COUNTERS = (
 _DROP_ORDER = ("layer_stats", "steps", "events")
 
 Sample = StepSample | LayerSample | Fp8Sample | wire.EventRecord
+logger = logging.getLogger("ampwatch.agent")
 
 
 def kind_of(item: Sample) -> str:
@@ -204,6 +207,7 @@ class RecordBuffer:
         self._records = _Records()
         self.stream = uuid.uuid4().hex
         self._seq = 0
+        self._build_failed = False
 
     def __len__(self) -> int:
         r = self._records
@@ -219,11 +223,16 @@ class RecordBuffer:
         buffered = self._records
         for item in samples:
             if isinstance(item, StepSample):
-                buffered.steps.append(step_record(item))
+                if (step := self._built(step_record, item, "steps")) is not None:
+                    buffered.steps.append(step)
             else:
                 buffered.events.append(item)
         for sample in layers:
-            records = sample.records() if isinstance(sample, Fp8Sample) else [layer_record(sample)]
+            if isinstance(sample, Fp8Sample):
+                records = self._built(Fp8Sample.records, sample, "layer_stats") or []
+            else:
+                built = self._built(layer_record, sample, "layer_stats")
+                records = [] if built is None else [built]
             buffered.layer_stats.extend(records)
             while len(buffered.layer_stats) > self._max_buffered_layer_stats:
                 buffered.layer_stats.popleft()
@@ -235,6 +244,18 @@ class RecordBuffer:
                     kept.popleft()
                     self._tally.drop({kind: 1}, reported=False)
                     break
+
+    def _built(self, build: Callable[[Any], Any], sample: Any, kind: str) -> Any:
+        """`build(sample)`, or None, counted as a drop and logged once: a sample the sender
+        cannot turn into a record (an odd tensor) costs that record, never the thread."""
+        try:
+            return build(sample)
+        except Exception:  # the sender thread must outlive any one sample
+            if not self._build_failed:
+                self._build_failed = True
+                logger.exception("ampwatch could not build a %s record; it is dropped", kind)
+            self._tally.drop({kind: 1}, reported=False)
+            return None
 
     def has_unsealed(self) -> bool:
         """Records, or counts of dropped ones, that no batch carries yet."""

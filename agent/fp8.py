@@ -47,7 +47,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent import wire
+from ampwatch.agent import shards, wire
 
 #: One sample every 200 steps. `bench/fp8_overhead.py` (CPU, 2 loaded cores, CPU time) measured
 #: a sampled step of its 3M-parameter model (13 Linear layers: weights, gradients and
@@ -246,7 +246,7 @@ def _linear_weights(model: nn.Module) -> list[tuple[str, nn.Linear]]:
     """Each nn.Linear with its weight's name as `named_parameters()` gives it, the name
     the gradient statistics use: a tied weight (GPT-2's `lm_head` is `transformer.wte`'s)
     is one tensor under one name, measured once, through the first Linear that uses it."""
-    names = {id(param): name for name, param in model.named_parameters()}
+    names = {id(param): name for name, param in shards.named_parameters(model)}
     layers: dict[str, nn.Linear] = {}
     for module in model.modules():
         if isinstance(module, nn.Linear) and (name := names.get(id(module.weight))):
@@ -330,16 +330,19 @@ class Fp8Monitor:
                 roles.append((role, [m[0] for m in measured], [m[2] for m in measured]))
                 vectors.extend(m[1] for m in measured)
 
-        weights = [(n, m.weight) for n, m in self._layers if m.weight.numel()]
-        add("weight", [(n, quantisation_counts(w), w.numel()) for n, w in weights])
-        add(
-            "grad",
-            [
-                (n, quantisation_counts(w.grad), w.numel())
-                for n, w in weights
-                if w.grad is not None and not w.grad.is_sparse
-            ],
-        )
+        # Sharded weights (FSDP): this rank's local shard, its gradient's likewise.
+        weights = [(n, m.weight) for n, m in self._layers]
+        local = [(n, w, t) for n, w in weights if (t := shards.local_tensor(w)) is not None]
+        add("weight", [(n, quantisation_counts(t), t.numel()) for n, _, t in local if t.numel()])
+        grads = [
+            (n, g)
+            for n, w, _ in local
+            if w.grad is not None
+            and not w.grad.is_sparse
+            and (g := shards.local_tensor(w.grad)) is not None
+            and g.numel()
+        ]
+        add("grad", [(n, quantisation_counts(g), g.numel()) for n, g in grads])
         add("act", [(n, *_fold(self._inputs[n])) for n, _ in self._layers if n in self._inputs])
         device = vectors[0].device
         flat = torch.cat([v.to(device, non_blocking=True) for v in vectors])

@@ -63,11 +63,24 @@ def _wait(ready: torch.cuda.Event | None) -> None:
         ready.synchronize()
 
 
+def host_list(values: torch.Tensor) -> list[float]:
+    """`values.tolist()` of a plain tensor; a tensor subclass (whose `.tolist()` may run a
+    collective, or raise) is converted to its local part or refused with a TypeError, which
+    costs the record, not the sender thread (`batching`)."""
+    from ampwatch.agent.shards import local_tensor  # torch, loaded by whoever made `values`
+
+    local = local_tensor(values)
+    if local is None:
+        raise TypeError(f"not a plain tensor: {type(values).__name__}")
+    result: list[float] = local.tolist()
+    return result
+
+
 def step_record(sample: StepSample) -> wire.StepRecord:
     _wait(sample.ready)
     values: dict[str, float | None] = dict(sample.host)
     if sample.values is not None:
-        values.update(zip(sample.fields, sample.values.tolist(), strict=True))
+        values.update(zip(sample.fields, host_list(sample.values), strict=True))
     found_inf = values.get("found_inf")
     record: wire.StepRecord = {
         "step": sample.step,
@@ -97,7 +110,7 @@ def layer_record(sample: LayerSample) -> wire.LayerStatsRecord:
     from ampwatch.agent.stats import histogram_spans, range_fractions
 
     _wait(sample.ready)
-    stats, hists = range_fractions(sample.values.tolist(), sample.numels, direct=sample.direct)
+    stats, hists = range_fractions(host_list(sample.values), sample.numels, direct=sample.direct)
     record: wire.LayerStatsRecord = {
         "step": sample.step,
         "rank": sample.rank,
@@ -108,5 +121,5 @@ def layer_record(sample: LayerSample) -> wire.LayerStatsRecord:
     if sample.activations is not None:
         names, max_abs, ready = sample.activations
         _wait(ready)
-        record["activations"] = {"names": names, "max_abs": wire.encode_floats(max_abs.tolist())}
+        record["activations"] = {"names": names, "max_abs": wire.encode_floats(host_list(max_abs))}
     return record

@@ -18,7 +18,14 @@ from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProb
 from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
-from ampwatch.agent.stats import RunningMean, global_grad_norm, gradient_range, named_grads
+from ampwatch.agent.shards import GRAD_NORM_SHARDED, clip_total, scalar
+from ampwatch.agent.stats import (
+    Grads,
+    RunningMean,
+    global_grad_norm,
+    gradient_range,
+    named_grads,
+)
 
 
 class StepSampling(WatchHandle):
@@ -33,6 +40,8 @@ class StepSampling(WatchHandle):
     _send: Any
     _every: int
     _grad_norm: bool
+    #: "fsdp1" / "fsdp2" when a rank holds only its shard of each gradient, else None.
+    _sharded: str | None
     _rank: int
     _send_steps: bool
     _loss: RunningMean
@@ -56,7 +65,7 @@ class StepSampling(WatchHandle):
     # --- per step, on the training thread ------------------------------------------------
 
     def _layer_sample(
-        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+        self, step: int, grads: Grads, scale: torch.Tensor | None
     ) -> LayerSample | None:
         """Range statistics (and activation max-abs) on sampled steps; a failure costs the
         sample, not the step."""
@@ -66,10 +75,11 @@ class StepSampling(WatchHandle):
             activations = None
             if self._act_max is not None and (peaks := self._act_max.take()) is not None:
                 activations = (peaks[0], *to_host(peaks[1]))
-            names, tensors = grads
+            names, tensors, _ = grads
             if not tensors:
                 return None
             device = tensors[0].device
+            scale = None if scale is None else scalar(scale)
             if scale is None:
                 scale = torch.ones((), dtype=torch.float32, device=device)
             direct = (
@@ -92,7 +102,7 @@ class StepSampling(WatchHandle):
             if self._clips is None or self._early_layers is not None or (step - 1) % self._every:
                 return
             grads = named_grads(self._named_params)
-            if sum(1 for p in params if p.grad is not None) != len(grads[1]):
+            if sum(1 for p in params if p.grad is not None) != grads.present:
                 return
             scale = None if self._scaler is None else self._scaler._get_scale_async()
             self._early_layers = self._layer_sample(step, grads, scale)
@@ -100,7 +110,7 @@ class StepSampling(WatchHandle):
             self._on_error(exc)
 
     def _take_layers(
-        self, step: int, grads: tuple[list[str], list[torch.Tensor]], scale: torch.Tensor | None
+        self, step: int, grads: Grads, scale: torch.Tensor | None
     ) -> LayerSample | None:
         early, self._early_layers = self._early_layers, None
         return early if early is not None else self._layer_sample(step, grads, scale)
@@ -113,7 +123,11 @@ class StepSampling(WatchHandle):
                 return
             if isinstance(norm_type, (int, float)) and float(norm_type) == 2.0:
                 covered = sum(1 for p in params if p.grad is not None)
-                total = total.detach()
+                local = clip_total(total)  # FSDP2: a Replicate DTensor
+                if local is None:
+                    self._clips = None  # a norm this rank cannot read without a collective
+                    return
+                total = local
                 after = None
                 if isinstance(max_norm, (int, float, torch.Tensor)):
                     after = clipping.clipped_norm(total, max_norm)
@@ -123,20 +137,29 @@ class StepSampling(WatchHandle):
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._on_error(exc)
 
-    def _norms(self, grads: list[torch.Tensor]) -> dict[str, torch.Tensor]:
+    def _norms(self, grads: Grads) -> dict[str, torch.Tensor]:
         """The step's unscaled L2 grad norm: the one the loop's clip returned (before
         clipping) when one clip covered every gradient, with the norm after that clip as
-        `grad_norm_clipped`; else one pass of our own (and no clipped norm)."""
+        `grad_norm_clipped`; else one pass of our own (and no clipped norm), unless the
+        gradients are sharded: a rank's own pass is not the global norm (`shards`)."""
         clips, self._clips = self._clips, []
-        if not self._grad_norm or not grads:
+        if not self._grad_norm or not grads.present:
             return {}
-        if clips is not None and len(clips) == 1 and clips[0][2] == len(grads):
+        if clips is not None and len(clips) == 1 and clips[0][2] == grads.present:
             total, after, _ = clips[0]
             norms = {"grad_norm": total}
             if after is not None:
                 norms["grad_norm_clipped"] = after
             return norms
-        return {"grad_norm": global_grad_norm(grads)}
+        if self._sharded is not None:
+            self._finding("grad_norm_sharded", GRAD_NORM_SHARDED, sharding=self._sharded)
+            return {}
+        if not grads.tensors:
+            return {}
+        return {"grad_norm": global_grad_norm(grads.tensors)}
+
+    def _finding(self, code: str, message: str, **details: Any) -> None:
+        """Report a finding once per run (the live handle sends it)."""
 
     def _step_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample:
         if (loss := self._take_loss()) is not None:
@@ -155,6 +178,8 @@ class StepSampling(WatchHandle):
             groups = len(lrs)
             for i, lr in enumerate(lrs):
                 _add_lr(scalars, host, lr_group_field(i), lr)
+        # One-element plain 0-d tensors only: a DTensor's local value, a (1,)-shaped flag.
+        scalars = {k: s for k, v in scalars.items() if (s := scalar(v)) is not None}
         values: torch.Tensor | None = None
         ready = None
         if scalars:
@@ -182,7 +207,7 @@ class StepSampling(WatchHandle):
         layers = self._take_layers(step, grads, scale)
         sample = None
         if self._send_steps:
-            scalars = {"loss_scale": scale, "found_inf": found_inf, **self._norms(grads[1])}
+            scalars = {"loss_scale": scale, "found_inf": found_inf, **self._norms(grads)}
             sample = self._step_sample(step, scalars)
         return sample, layers
 
@@ -229,8 +254,8 @@ class StepSampling(WatchHandle):
     def _measure_pre_step(self) -> None:
         try:
             grads = named_grads(self._named_params)
-            norms = self._norms(grads[1]) if self._send_steps else {}
-            self._applied = bool(grads[1])
+            norms = self._norms(grads) if self._send_steps else {}
+            self._applied = bool(grads.present)
             self._pending = (norms, self._take_layers(self._step + 1, grads, None))
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._on_error(exc)

@@ -61,10 +61,11 @@ def found_inf_total(scaler: torch.amp.GradScaler, device: torch.device) -> torch
     These are exactly the flags `update()` consumes to back the scale off, so `> 0` is the
     skip, for fused optimizers too (they always run `step()` and skip inside the kernel).
     It stays exact where "the scale fell" would not: a scale already underflowed to 0, and
-    `update(new_scale)`. None if no `step()` recorded flags (`update()` will then raise).
+    `update(new_scale)`. FSDP1's `ShardedGradScaler` all-reduces its flags in `unscale_`
+    (its own collective), so they hold every rank's overflow, as DDP's gradients do. None if no `step()` recorded flags (`update()` will then raise).
     """
     flags = [
-        flag.to(device, non_blocking=True)
+        flag.to(device, non_blocking=True).reshape(())  # ShardedGradScaler's have shape (1,)
         for state in scaler._per_optimizer_states.values()
         for flag in state["found_inf_per_device"].values()
     ]

@@ -16,10 +16,12 @@ from __future__ import annotations
 import itertools
 import math
 from collections.abc import Iterable, Sequence
+from typing import NamedTuple
 
 import torch
 
 from ampwatch.agent import wire
+from ampwatch.agent.shards import local_tensor
 
 _BINS = wire.EXPONENT_HISTOGRAM_BINS
 _BIAS = wire.EXPONENT_BIAS
@@ -60,19 +62,33 @@ class RunningMean:
         return mean
 
 
-def named_grads(
-    named_params: Iterable[tuple[str, torch.nn.Parameter]],
-) -> tuple[list[str], list[torch.Tensor]]:
+class Grads(NamedTuple):
+    """The gradients to measure: names, this rank's plain local tensors (a DTensor's
+    `.to_local()` shard; an empty shard left out), and `present`, the count of parameters
+    that had a gradient at all (what a clip that covered them all saw)."""
+
+    names: list[str]
+    tensors: list[torch.Tensor]
+    present: int
+
+
+def named_grads(named_params: Iterable[tuple[str, torch.nn.Parameter]]) -> Grads:
     """The gradients to measure, by parameter name. A parameter whose `.grad` is None (frozen
-    or unused) is left out, not reported as zero: it is not an underflowing one."""
+    or unused) is left out, not reported as zero: it is not an underflowing one. A gradient
+    of a tensor subclass the agent does not know is left out too (`shards.local_tensor`)."""
     names: list[str] = []
     grads: list[torch.Tensor] = []
+    present = 0
     for name, param in named_params:
         grad = param.grad
-        if grad is not None and grad.numel() and not grad.is_sparse:
+        if grad is None or grad.is_sparse:
+            continue
+        present += 1
+        local = local_tensor(grad)
+        if local is not None and local.numel():
             names.append(name)
-            grads.append(grad.detach())
-    return names, grads
+            grads.append(local.detach())
+    return Grads(names, grads, present)
 
 
 def global_grad_norm(grads: Sequence[torch.Tensor]) -> torch.Tensor:

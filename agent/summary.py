@@ -9,9 +9,13 @@ from typing import Any
 import torch
 from torch import nn
 
+from ampwatch.agent.shards import named_parameters
+
 
 def model_summary(model: nn.Module) -> dict[str, Any]:
-    params = list(model.named_parameters())
+    """Parameters named as the user's model names them; a DTensor's shape is the whole
+    tensor's, an FSDP1 flat parameter's this rank's shard."""
+    params = named_parameters(model)
     return {
         "class": type(model).__qualname__,
         "num_params": sum(p.numel() for _, p in params),

@@ -1,0 +1,186 @@
+"""Sharded training (FSDP2, FSDP1, DTensor): what the agent may read from a rank, and how.
+
+Any op on a DTensor may run a collective (`aten.bincount` is not even implemented for one),
+and a collective that one rank runs alone hangs or aborts the job. So every reduction the
+agent launches runs on a plain tensor: a DTensor's `.to_local()` shard, a plain tensor as it
+is; any other tensor subclass is skipped and said once (`local_tensor` returns None). The
+host copies (`.tolist()`) on the sender thread then only ever see plain CPU tensors.
+
+What a rank can and cannot know without a collective:
+- Per-layer statistics of its local shard: counts are additive across ranks (zero, flush,
+  subnormal counts, histograms), max|g| composes by max, so each rank sends its own.
+- The global grad norm is over every shard: a rank's local norm is not it. The loop's own
+  `clip_grad_norm_` already computed it (FSDP2: a Replicate DTensor, whose local tensor is
+  the global norm on every rank; FSDP1's `FullyShardedDataParallel.clip_grad_norm_`: a
+  plain tensor), so the agent takes it from there; without a clip it stores no grad norm
+  and says so once (`GRAD_NORM_SHARDED`).
+- Names: wrappers insert path segments (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`,
+  `_orig_mod.`); `clean_name` removes them so layers are named as the user's model names
+  them. FSDP1 without `use_orig_params=True` holds one flat parameter per wrapped module:
+  its per-layer statistics are per flat parameter (`FLAT_PARAMS`, said once).
+
+DTensor and FSDP1 types are looked up in `sys.modules`, never imported: a process that has
+not imported them holds none of their tensors, and the agent's import stays light.
+"""
+
+from __future__ import annotations
+
+import logging
+import sys
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from ampwatch.agent.patch import patch_method
+
+logger = logging.getLogger("ampwatch.agent")
+
+#: Path segments wrappers insert into parameter and module names.
+WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_orig_mod.")
+#: The name FSDP1 gives each wrapped module's flat parameter.
+FLAT_PARAM = "_flat_param"
+
+GRAD_NORM_SHARDED = (
+    "gradients are sharded and the loop did not clip: the global grad norm needs every "
+    "shard, and the agent never runs a collective, so grad_norm is not stored; call "
+    "clip_grad_norm_ (FSDP2: torch.nn.utils.clip_grad_norm_; FSDP1: model.clip_grad_norm_, "
+    "max_norm=float('inf') to measure without clipping) and its norm is stored"
+)
+FLAT_PARAMS = (
+    "FSDP1 without use_orig_params=True: per-layer statistics are per flat parameter "
+    "(one per wrapped module); wrap with use_orig_params=True for per-parameter names"
+)
+
+_skipped_types: set[str] = set()
+
+
+def _dtensor_type() -> type | None:
+    module = sys.modules.get("torch.distributed.tensor")
+    dtensor = getattr(module, "DTensor", None)
+    return dtensor if isinstance(dtensor, type) else None
+
+
+def is_dtensor(tensor: object) -> bool:
+    dtensor = _dtensor_type()
+    return dtensor is not None and isinstance(tensor, dtensor)
+
+
+def local_tensor(tensor: torch.Tensor) -> torch.Tensor | None:
+    """The part of `tensor` this rank holds, as a plain tensor; None for a tensor subclass
+    the agent does not know (logged once per type: its ops may dispatch anywhere).
+
+    >>> local_tensor(torch.ones(2)).tolist()
+    [1.0, 1.0]
+    """
+    kind = type(tensor)
+    if kind is torch.Tensor or kind is nn.Parameter:
+        return tensor
+    if is_dtensor(tensor):
+        local: torch.Tensor = tensor.to_local()  # type: ignore[attr-defined]
+        wait = getattr(local, "wait", None)  # AsyncCollectiveTensor: the loop's own collective
+        if type(local) is not torch.Tensor and callable(wait):
+            local = wait()
+        return local if type(local) in (torch.Tensor, nn.Parameter) else None
+    name = f"{kind.__module__}.{kind.__qualname__}"
+    if name not in _skipped_types:
+        _skipped_types.add(name)
+        logger.warning("ampwatch: %s tensors are not measured (an unknown tensor subclass)", name)
+    return None
+
+
+def scalar(tensor: torch.Tensor) -> torch.Tensor | None:
+    """A one-element device value (0-d or 1-d: ShardedGradScaler keeps its found-inf flags as
+    shape (1,)) as a plain 0-d tensor, ready to stack; None when it is not one.
+
+    >>> scalar(torch.ones(1)).shape, scalar(torch.ones(2))
+    (torch.Size([]), None)
+    """
+    local = local_tensor(tensor.detach())
+    if local is None or local.numel() != 1:
+        return None
+    return local.reshape(())
+
+
+def clean_name(name: str) -> str:
+    """`name` as the user's model names it, without wrapper path segments.
+
+    >>> clean_name("_fsdp_wrapped_module.blocks.0._checkpoint_wrapped_module.fc1.weight")
+    'blocks.0.fc1.weight'
+    >>> clean_name("_orig_mod.head.weight")
+    'head.weight'
+    """
+    for segment in WRAPPER_SEGMENTS:
+        name = name.replace(segment, "")
+    return name
+
+
+def named_parameters(model: nn.Module) -> list[tuple[str, nn.Parameter]]:
+    """`model.named_parameters()` with clean names (the first parameter of a name wins)."""
+    seen: set[str] = set()
+    named: list[tuple[str, nn.Parameter]] = []
+    for name, param in model.named_parameters():
+        clean = clean_name(name)
+        if clean not in seen:
+            seen.add(clean)
+            named.append((clean, param))
+    return named
+
+
+def fsdp1_modules(model: nn.Module) -> list[nn.Module]:
+    """Every FSDP1 `FullyShardedDataParallel` instance in `model` (outermost first)."""
+    module = sys.modules.get("torch.distributed.fsdp.fully_sharded_data_parallel")
+    fsdp = getattr(module, "FullyShardedDataParallel", None)
+    if not isinstance(fsdp, type):
+        return []
+    return [m for m in model.modules() if isinstance(m, fsdp)]
+
+
+def sharding(model: nn.Module, params: Iterable[nn.Parameter]) -> str | None:
+    """ "fsdp1", "fsdp2" (DTensor parameters, FSDP2's and tensor parallelism's) or None:
+    whether a rank's gradients are only its shard of the whole."""
+    if fsdp1_modules(model):
+        return "fsdp1"
+    if any(is_dtensor(p) for p in params):
+        return "fsdp2"
+    return None
+
+
+def has_flat_params(names: Iterable[str]) -> bool:
+    """Whether FSDP1 flat parameters stand for the user's (`use_orig_params=False`)."""
+    return any(name == FLAT_PARAM or name.endswith("." + FLAT_PARAM) for name in names)
+
+
+def clip_total(total: torch.Tensor) -> torch.Tensor | None:
+    """The global norm a clip returned, as a plain tensor without a collective: FSDP2's is a
+    Replicate DTensor (every rank's local tensor is the global norm); a DTensor still
+    Partial would need one, so None."""
+    if is_dtensor(total):
+        placements = getattr(total, "placements", ())
+        if not all(type(p).__name__ == "Replicate" for p in placements):
+            return None
+    return scalar(total)
+
+
+def tap_fsdp1_clip(
+    root: nn.Module,
+    before: Callable[[list[torch.Tensor]], None],
+    after: Callable[[list[torch.Tensor], torch.Tensor, Any, Any], None],
+) -> Callable[[], None]:
+    """FSDP1 clips through its own method, `model.clip_grad_norm_(max_norm, norm_type)`, which
+    all-reduces the shards' norms and returns the global norm: patch it on `root` so the
+    handle sees the call (`before`, the clip checks) and its result (`after`), as the
+    `torch.nn.utils.clip_grad_norm_` wrapper does. Returns the restore function."""
+
+    def make(original: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+        def clip_grad_norm_(max_norm: Any, norm_type: Any = 2.0) -> torch.Tensor:
+            params: list[torch.Tensor] = list(root.parameters())
+            before(params)  # never raises (the handle's callbacks catch)
+            total = original(max_norm, norm_type)
+            after(params, total, max_norm, norm_type)
+            return total
+
+        return clip_grad_norm_
+
+    return patch_method(root, "clip_grad_norm_", make)

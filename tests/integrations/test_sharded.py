@@ -1,0 +1,170 @@
+"""Sharded training on 2 gloo CPU processes (FSDP2, FSDP1 + ShardedGradScaler, DDP): the
+training ends bit-identical to the run without the agent, and what the agent sent matches
+the truth the loop computed from full tensors (sharded_run.py runs every case in one spawn).
+
+Before the agent read local shards, these runs were killed (a collective on one rank),
+lost every layer sample (`aten.bincount` on a DTensor), stopped the sender (`.tolist()` of
+a DTensor), stored nothing under ShardedGradScaler (a 0-d and a 1-d flag stacked) and
+stored rank 0's shard norm as the grad norm.
+"""
+
+from __future__ import annotations
+
+import gzip
+import json
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch.multiprocessing as mp
+from sharded_run import CASES, EVERY, OVERFLOW_STEPS, STEPS, TinyTransformer, run_cases
+
+from ampwatch.agent import wire
+
+USER_NAMES = {n for n, _ in TinyTransformer().named_parameters()}
+NO_NORM_NAMES = {n for n, _ in TinyTransformer(final_norm=False).named_parameters()}
+
+
+@pytest.fixture(scope="module")
+def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    out = tmp_path_factory.mktemp("sharded")
+    os.environ.pop("AMPWATCH_RUN_ID", None)
+    mp.spawn(run_cases, args=(2, str(out / "init"), str(out)), nprocs=2, join=True)
+    return out
+
+
+def _sent(folder: Path, rank: int) -> dict[str, list[Any]]:
+    batches = [
+        json.loads(gzip.decompress(p.read_bytes()))
+        for p in sorted(folder.glob(f"rank{rank}-*"))
+    ]
+    return {
+        kind: [r for b in batches for r in b[kind]] for kind in ("steps", "layer_stats", "events")
+    }
+
+
+def _close(got: Any, want: float | None, rel: float = 1e-5) -> bool:
+    value = wire.decode_float(got)
+    if want is None or value is None:
+        return want is value
+    if math.isnan(want) or math.isinf(want):
+        return not math.isfinite(value)  # an overflowing step's norm: Inf or NaN either way
+    return value == pytest.approx(want, rel=rel)
+
+
+def _gradient_layers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [r for r in records if "zero_fraction" in r["stats"]]
+
+
+@pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
+def test_sharded_case(matrix: Path, case: Any) -> None:
+    folder = matrix / case.name
+    truths = [json.loads((folder / f"truth{r}.json").read_text()) for r in (0, 1)]
+    sent = [_sent(folder, r) for r in (0, 1)]
+    truth = truths[0]
+    assert truths[0]["identical"] and truths[1]["identical"]  # the agent changed nothing
+
+    steps = sent[0]["steps"]
+    assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
+    assert sent[1]["steps"] == []  # rank 0 sends the step scalars
+    assert [s["rank"] for s in steps] == [0] * STEPS
+    assert [s["skipped"] for s in steps] == truth["skipped"]
+    if case.scaler is not None:
+        assert sum(truth["skipped"]) == len(OVERFLOW_STEPS)  # rank 1's overflows skip both
+        assert [wire.decode_float(s["loss_scale"]) for s in steps] == truth["loss_scale"]
+    for got, want in zip(steps, truth["loss"], strict=True):
+        assert _close(got["loss"], want), (got["step"], got["loss"], want)
+
+    findings = {
+        e["data"]["code"]: e["data"] for r in (0, 1) for e in sent[r]["events"]
+        if e["kind"] == "finding"
+    }  # fmt: skip
+    sharded = case.wrap != "ddp"
+    if case.clip or not sharded:
+        # The loop's own clip (or, replicated under DDP, one pass of the agent's): the
+        # global norm over every shard, step by step.
+        for got, want in zip(steps, truth["grad_norm"], strict=True):
+            assert _close(got["grad_norm"], want), (got["step"], got["grad_norm"], want)
+        assert "grad_norm_sharded" not in findings
+    else:
+        assert all(s["grad_norm"] is None for s in steps)  # a shard's norm is not stored
+        assert findings["grad_norm_sharded"]["sharding"] == case.wrap
+    if case.clip:
+        for got, total in zip(steps, truth["clip_total"], strict=True):
+            assert _close(got["grad_norm"], total)
+
+    start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
+    assert start["sharding"] == (case.wrap if sharded else None)
+    layers = [_gradient_layers(sent[r]["layer_stats"]) for r in (0, 1)]
+    for rank in (0, 1):
+        assert [r["step"] for r in layers[rank]] == list(range(1, STEPS + 1, EVERY))
+    if not case.orig_params:
+        assert "flat_params" in findings
+        assert all(n.endswith("_flat_param") for n in layers[0][0]["names"])
+        return
+    expected_names = USER_NAMES if case.final_norm else NO_NORM_NAMES
+    for rank in (0, 1):
+        assert set(layers[rank][0]["names"]) <= expected_names  # no wrapper prefixes
+    fp8 = [r for r in sent[0]["layer_stats"] if r not in layers[0]]
+    assert fp8 and all(not n.startswith("_") for r in fp8 for n in r["names"])
+    _assert_layers_combine(case, layers, truth)
+
+
+def _assert_layers_combine(
+    case: Any, layers: list[list[dict[str, Any]]], truth: dict[str, Any]
+) -> None:
+    """Per rank, each layer record is that rank's shard: summed over ranks, zero counts
+    give the full gradient's; max|g·S| is the larger rank's. Under DDP each rank holds the
+    whole (all-reduced) gradient."""
+    shard_numels = _shard_numels(case)
+    for index, step in enumerate(range(1, STEPS + 1, EVERY)):
+        full = truth["layers"][str(step)]
+        zeros: dict[str, float] = {}
+        peaks: dict[str, float] = {}
+        for rank in (0, 1):
+            record = layers[rank][index]
+            stats = record["stats"]
+            for i, name in enumerate(record["names"]):
+                numel = full[name][1] if case.wrap == "ddp" else shard_numels[rank][name]
+                share = stats["zero_fraction"][i] * numel
+                zeros[name] = share if case.wrap == "ddp" else zeros.get(name, 0.0) + share
+                peak = wire.decode_float(stats["max_abs_scaled"][i])
+                assert peak is not None
+                peaks[name] = max(peaks.get(name, -1.0), peak)
+        assert set(zeros) == set(full), step
+        for name, (zero, _, peak) in full.items():
+            assert round(zeros[name]) == zero, (step, name)
+            if math.isfinite(peak):
+                assert peaks[name] == pytest.approx(peak, rel=1e-6), (step, name)
+
+
+def _shard_numels(case: Any) -> list[dict[str, int]]:
+    """Each rank's element count of every parameter: FSDP2 shards dim 0 (torch.chunk); FSDP1
+    flattens each wrapped module's parameters in order and gives rank r the r-th half."""
+    model = TinyTransformer(case.final_norm)
+    named = [(n, p.shape) for n, p in model.named_parameters()]
+    if case.wrap == "fsdp2":
+        result: list[dict[str, int]] = [{}, {}]
+        for name, shape in named:
+            rows = shape[0]
+            per = -(-rows // 2)
+            inner = math.prod(shape[1:])
+            result[0][name] = min(per, rows) * inner
+            result[1][name] = max(0, rows - per) * inner
+        return result
+    groups: dict[str, list[tuple[str, int]]] = {}
+    for name, shape in named:
+        owner = ".".join(name.split(".")[:2]) if name.startswith("blocks.") else ""
+        groups.setdefault(owner, []).append((name, math.prod(shape)))
+    result = [{}, {}]
+    for members in groups.values():
+        total = sum(n for _, n in members)
+        half = -(-total // 2)
+        start = 0
+        for name, numel in members:
+            for rank, (low, high) in enumerate(((0, half), (half, 2 * half))):
+                result[rank][name] = max(0, min(start + numel, high) - max(start, low))
+            start += numel
+    return result
