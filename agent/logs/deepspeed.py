@@ -9,13 +9,9 @@ Three shapes, told apart by the first line that decides (`mode`):
   Which engine overflowed: the one whose scale the line attempted (each engine's scale is
   followed from its own lines), else the one whose scale grew to it, else the actor (it
   steps first). Streamed step by step.
-- ``engine``: `step=N` lines count every attempt (skipped ones too). A skipped attempt is
-  exact where FP16_Optimizer prints ``Grad overflow on iteration i`` (attempt i + 1);
-  otherwise (inference) each OVERFLOW line is placed by its time stamp between the two
-  `step=` lines around it. The scale between overflows is DeepSpeed's DynamicLossScaler
-  replayed from ``# scaler: init_scale=... scale_window=... delayed_shift=... min_scale=...``
-  (a comment line the user may add; else DeepSpeed's defaults). Needs the whole log: read
-  at the end (`follow` places these steps when it stops).
+- ``engine``: `step=N, skipped=K, lr=[...]` lines count every attempt (skipped ones too);
+  read by `deepspeed_engine.EngineSteps`, which stores the printed scales, skip counts and
+  lr and names what it infers. Streamed at each `step=` line.
 - ``bare``: OVERFLOW lines only, one skipped step each, numbered from 1 (inference: the
   log prints no step), with other ranks' copies dropped (`RankCopies`).
 """
@@ -25,7 +21,15 @@ from __future__ import annotations
 import re
 from datetime import datetime
 
-from ampwatch.agent.logs.deepspeed_lines import Overflow, RankCopies, engine_step, overflow
+from ampwatch.agent.logs.deepspeed_engine import EngineSteps
+from ampwatch.agent.logs.deepspeed_lines import (
+    Overflow,
+    RankCopies,
+    engine_step,
+    overflow,
+    scale_change,
+    scaler_settings,
+)
 from ampwatch.agent.logs.series import NUMBER, Entry, LogStep
 
 _STAMP = re.compile(r"\[(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d),(\d{3})\]")
@@ -33,10 +37,6 @@ _GRAD_OVERFLOW = re.compile(r"Grad overflow on iteration (\d+)")
 _RLHF = re.compile(r"epoch: \d+\|step: (\d+)\|ppo_ep: \d+\|act_loss: " + NUMBER
                    + r"\|cri_loss: " + NUMBER)  # fmt: skip
 _SCALER = re.compile(r"^#\s*scaler:\s*(.*)$")
-#: DeepSpeed's fp16 defaults: initial_scale_power 16, loss_scale_window 1000,
-#: hysteresis 2, min_loss_scale 1.
-DEFAULT_SCALER = {"init_scale": 65536.0, "scale_window": 1000.0, "delayed_shift": 2.0,
-                  "min_scale": 1.0}  # fmt: skip
 ENGINES = ("actor", "critic")
 
 
@@ -53,14 +53,13 @@ class DeepSpeedParser:
 
     def __init__(self) -> None:
         self.recognised = 0
+        self.inferred: dict[str, str] = {}
         self.mode = "bare"
         self._decided = False
         self._copies = RankCopies()
         self._held: list[tuple[Overflow, int, str]] = []  # overflows before the mode is known
-        self._times: list[float] = []  # engine mode: each overflow's time stamp
-        self._scaler = dict(DEFAULT_SCALER)
-        self._marks: list[tuple[int, float]] = []
-        self._exact: set[int] = set()
+        self._settings: dict[str, float] = {}
+        self._engine = EngineSteps(self.inferred, self._settings)
         self._bare_step = 0
         # rlhf: each engine's scale, and which engines overflowed in the current step
         self._scales: dict[str, float | None] = dict.fromkeys(ENGINES)
@@ -70,12 +69,21 @@ class DeepSpeedParser:
         if line.startswith("#"):
             if (m := _SCALER.match(line)) is not None:
                 pairs = (item.split("=", 1) for item in m.group(1).split() if "=" in item)
-                self._scaler.update({k: float(v) for k, v in pairs})
+                self._configure({k: float(v) for k, v in pairs}, "a '# scaler:' line")
             return []
         if (seen := overflow(line)) is not None:
             self.recognised += 1
             return self._overflow(seen, number, line)
+        if self.mode != "rlhf" and (change := scale_change(line)) is not None:
+            self.recognised += 1
+            self._engine.change(*change, _seconds(line))
+            return []
+        if "dynamic_loss_scale_args" in line or "loss_scale_window" in line:
+            self._configure(scaler_settings(line), f"the config print on line {number}")
+            return []
         if "step" not in line and "iteration" not in line:
+            if self._engine_open and "[" in line:
+                self._engine.seen_time(_seconds(line))
             return []
         if "|step: " in line and (m := _RLHF.search(line)) is not None:
             self.recognised += 1
@@ -83,23 +91,46 @@ class DeepSpeedParser:
             return out + self._rlhf_step(int(m.group(1)), float(m.group(2)),
                                          float(m.group(3)), number)  # fmt: skip
         if self.mode != "rlhf" and (mark := engine_step(line)) is not None:
-            stamp = _seconds(line)
-            if stamp is not None:
-                self.recognised += 1
-                self._decide("engine")
-                self._marks.append((mark[0], stamp))
-            return []
+            self.recognised += 1
+            out = self._decide("engine")
+            return out + list(self._engine.mark(*mark, _seconds(line), number))
         if (m := _GRAD_OVERFLOW.search(line)) is not None and self.mode != "rlhf":
             self.recognised += 1
-            self._decide("engine")
-            self._exact.add(int(m.group(1)) + 1)
+            out = self._decide("engine")
+            self._engine.exact(int(m.group(1)))
+            return out
+        if self._engine_open:
+            self._engine.seen_time(_seconds(line))
         return []
+
+    @property
+    def _engine_open(self) -> bool:
+        return not self._decided or self.mode == "engine"
+
+    def _configure(self, settings: dict[str, float], where: str) -> None:
+        if not settings:
+            return
+        self._settings.update(settings)
+        if "scale_window" in settings:
+            self.inferred["loss_scale"] = (
+                "between printed scales: DeepSpeed's growth replayed from the last printed "
+                f"scale every {int(settings['scale_window'])} clean attempts (window from "
+                f"{where})"
+            )
 
     def _decide(self, mode: str) -> list[Entry]:
         """The first deciding line fixes the mode; overflows held until then join it."""
         if self._decided:
             return []
         self._decided, self.mode = True, mode
+        if mode == "engine":
+            self.inferred.setdefault("loss_scale", (
+                "between printed scales: the last printed scale held (DeepSpeed's ZeRO "
+                "scaler prints no growth and the log shows no scale_window)"))  # fmt: skip
+            self.inferred["skipped_position"] = (
+                "skipped attempts between two step= lines: exact where 'Grad overflow on "
+                "iteration' is printed, else placed by their time stamps"
+            )
         held, self._held = self._held, []
         out: list[Entry] = []
         for seen, number, line in held:
@@ -114,9 +145,7 @@ class DeepSpeedParser:
             self._rlhf_overflow(seen)
             return []
         if self.mode == "engine":
-            stamp = _seconds(line)
-            if stamp is not None:
-                self._times.append(stamp)
+            self._engine.overflow(seen, _seconds(line))
             return []
         if not self._copies.keep(seen):
             return []
@@ -148,59 +177,22 @@ class DeepSpeedParser:
         self._block = {}
         return out
 
-    # -- engine ----------------------------------------------------------------------------
-
     def finish(self) -> list[Entry]:
         if not self._decided:
             self._decided = True
+            self.inferred["step"] = ("no step= line: each overflow line is one skipped "
+                                     "attempt, numbered from 1 (the log prints no step)")  # fmt: skip
             held, self._held = self._held, []
             out: list[Entry] = []
             for seen, number, line in held:
                 out += self._overflow(seen, number, line)
             return out
-        if self.mode != "engine" or not (self._marks or self._exact):
+        if self.mode != "engine":
             return []
-        return list(self._replay())
-
-    def _skipped_attempts(self) -> set[int]:
-        if self._exact:
-            return set(self._exact)
-        marks, skipped = self._marks, set[int]()
-        for t in self._times:
-            after = next((i for i, (_, tm) in enumerate(marks) if tm >= t), len(marks) - 1)
-            hi_step, hi_t = marks[after]
-            lo_step, lo_t = marks[after - 1] if after > 0 else (0, None)
-            per = (hi_t - lo_t) / (hi_step - lo_step) if lo_t is not None else None
-            if per is None and after + 1 < len(marks):
-                per = (marks[after + 1][1] - hi_t) / (marks[after + 1][0] - hi_step)
-            guess = hi_step - round((hi_t - t) / per) if per else hi_step
-            guess = min(max(guess, lo_step + 1), hi_step)
-            while guess in skipped and guess < hi_step:
-                guess += 1
-            while guess in skipped:
-                guess -= 1
-            skipped.add(guess)
-        return skipped
-
-    def _replay(self) -> list[LogStep]:
-        """DeepSpeed's DynamicLossScaler, replayed over every attempt."""
-        skipped = self._skipped_attempts()
-        settings = self._scaler
-        scale, window = settings["init_scale"], int(settings["scale_window"])
-        shift = int(settings["delayed_shift"])
-        hysteresis, last_overflow = shift, 0
-        steps = []
-        # The last attempt: the last `step=` line's, or the last exact overflow's.
-        last = max(self._marks[-1][0] if self._marks else 0, max(self._exact, default=0))
-        for attempt in range(1, last + 1):
-            steps.append(LogStep(attempt, loss_scale=scale, skipped=attempt in skipped))
-            if attempt in skipped:
-                if shift == 1 or hysteresis == 1:
-                    scale = max(scale / 2, settings["min_scale"])
-                else:
-                    hysteresis -= 1
-                last_overflow = attempt
-            elif (attempt - last_overflow) % window == 0:
-                hysteresis = shift
-                scale *= 2
-        return steps
+        out = list(self._engine.finish())
+        if self._engine.contradicted:
+            self.inferred["loss_scale_contradicted"] = (
+                f"{self._engine.contradicted} overflow line(s) printed an attempted scale "
+                "other than the one inferred before it; the printed one is stored"
+            )
+        return out
