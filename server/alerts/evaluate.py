@@ -305,8 +305,11 @@ def _evaluate_steps(
             judge_skip_rate(tracker, d, s, skipped, skip_rate)
         if burst.enabled and not d.calibrating:
             spikes.overflow_burst(tracker, recent, s, scale, burst)
-        if loss_rule.enabled and not d.calibrating and (value := learned_losses[i]) is not None:
-            spikes.judge(tracker, "loss_spike", "loss", s, value, loss_baselines[i], loss_rule)
+        if loss_rule.enabled and (value := learned_losses[i]) is not None:
+            if not d.calibrating:
+                spikes.judge(tracker, "loss_spike", "loss", s, value, loss_baselines[i],
+                             loss_rule, onset=spikes.covered_from(recent.loss_step, s))  # fmt: skip
+            recent.loss_step = s
         if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
             spikes.judge(tracker, "grad_norm_spike", "global grad norm", s, norm,
                          norm_baselines[i], norm_rule)  # fmt: skip
