@@ -200,12 +200,12 @@ class RuleGuard:
         self.failed: set[str] = set()
 
     def __call__(
-        self, rule: str, step: int | None, judge: Callable[..., T], *args: Any
+        self, rule: str, step: int | None, judge: Callable[..., T], *args: Any, **kwargs: Any
     ) -> T | None:
         if rule in self.failed:
             return None
         try:
-            return judge(*args)
+            return judge(*args, **kwargs)
         except Exception:
             self.failed.add(rule)
             logger.exception("alert rule %s of run %s failed at step %s; the batch's other "
@@ -335,9 +335,12 @@ def _evaluate_steps(
             guard("skip_rate", s, judge_skip_rate, tracker, d, s, skipped, skip_rate)
         if burst.enabled and not d.calibrating:
             guard("overflow_burst", s, spikes.overflow_burst, tracker, recent, s, scale, burst)
-        if loss_rule.enabled and not d.calibrating and (value := learned_losses[i]) is not None:
-            guard("loss_spike", s, spikes.judge, tracker, "loss_spike", "loss", s, value,
-                  loss_baselines[i], loss_rule)  # fmt: skip
+        if loss_rule.enabled and (value := learned_losses[i]) is not None:
+            if not d.calibrating:
+                guard("loss_spike", s, spikes.judge, tracker, "loss_spike", "loss", s, value,
+                      loss_baselines[i], loss_rule,
+                      onset=spikes.covered_from(recent.loss_step, s))  # fmt: skip
+            recent.loss_step = s
         if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
             guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
                   "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip

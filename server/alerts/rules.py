@@ -367,6 +367,15 @@ class RollingSpike(RuleSettings):
 
 
 class LossSpike(RollingSpike):
+    for_steps: int = _for_steps(
+        1,
+        "Steps of training the spike must cover (from the first step its logged value "
+        "stands for) before the alert fires: a value printed every 10 steps covers 10 and "
+        "fires at once; a value logged every step fires when the next step spikes too. One "
+        "batch's outlier, back at the next step, is a hard batch, not a divergence (NanoGPT "
+        "speedrun records: loss 3.86 -> 5.06 -> 3.79 at the same step in every record, all "
+        "reaching their target).",
+    )
     min_ratio: float = Field(
         default=1.3,
         gt=1,

@@ -40,12 +40,16 @@ class RecentState:
     losses: list[float] = field(default_factory=list)
     grad_norms: list[float] = field(default_factory=list)
     window: list[list[Any]] = field(default_factory=list)
+    #: The step of the last learned loss: the next logged loss stands for the steps since
+    #: (loss_spike's onset, `covered_from`).
+    loss_step: int | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> RecentState:
         data = data or {}
         return cls(losses=list(data.get("losses", [])), grad_norms=list(data.get("grad_norms", [])),
-                   window=[list(w) for w in data.get("window", [])])  # fmt: skip
+                   window=[list(w) for w in data.get("window", [])],
+                   loss_step=data.get("loss_step"))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -169,17 +173,25 @@ def baselines(
     return rolling_baselines(ring, values, rule.baseline_samples, rule.min_baseline_samples)
 
 
+def covered_from(previous: int | None, s: int) -> int:
+    """The first step a value logged at `s` stands for: the step after the previous logged
+    one (a log prints every k steps; Megatron's lm loss is the interval's mean), or `s`
+    itself for the first."""
+    return s if previous is None or previous >= s else previous + 1
+
+
 def judge(
     tracker: Tracker, name: str, what: str, s: int, value: float, baseline: Baseline | None,
-    rule: rules.LossSpike | rules.GradNormSpike,
+    rule: rules.LossSpike | rules.GradNormSpike, *, onset: int | None = None,
 ) -> None:  # fmt: skip
     """Judge step `s`'s learned `value` (loss_spike: "loss"; grad_norm_spike: "global grad
-    norm") against its baseline."""
+    norm") against its baseline. `onset`: the first step the value stands for; the alert
+    fires once the spike has covered the rule's `for_steps` from there."""
     spiking, spike = judge_spike(baseline, value, min_ratio=rule.min_ratio,
                                  min_increase=rule.min_increase, z_threshold=rule.z_threshold,
                                  z_min_samples=rule.z_min_samples)  # fmt: skip
     if spiking and spike is not None:
-        tracker.holds(name, s, _detail(what, s, spike))
+        tracker.holds(name, s, _detail(what, s, spike), onset=onset)
     elif spiking is not None:
         tracker.clear(name, s)
 

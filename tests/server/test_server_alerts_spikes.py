@@ -12,10 +12,26 @@ def test_loss_spike_fires_on_a_jump_and_not_on_noise(feed: Feed) -> None:
              for s in range(1, 400)]  # fmt: skip
     feed.send_steps(noisy)
     assert feed.alerts() == []  # +-0.4 around 3: ordinary noise
+    # One batch's outlier, back at the next step (the NanoGPT speedrun records' step 919):
+    # a hard batch, not a divergence: it never fires (a pending alert leaves no history).
     feed.send([step_record(400, loss=7.3, loss_scale=4096.0), *healthy(401, 5, loss=3.0)])
+    assert feed.alerts(rule="loss_spike") == []
+    # The loss held high at the next step: it fires there, its onset the first high step.
+    feed.send([step_record(s, loss=7.3, loss_scale=4096.0) for s in (406, 407)])
     (alert,) = feed.alerts(rule="loss_spike")
-    assert (alert.severity, alert.fired_step) == ("warning", 400)
+    assert (alert.severity, alert.started_step, alert.fired_step) == ("warning", 406, 407)
     assert alert.values["ratio"] > 2 and "its rolling median 3" in alert.message
+
+
+def test_a_logged_spike_that_stands_for_a_log_interval_fires_at_once(feed: Feed) -> None:
+    """A log printing every 10 steps (Megatron's lm loss: the interval's mean; BigScience
+    tr8-104B: 6.44 -> 11.42 at 7010, NaN later): one line covers 10 steps of training."""
+    feed.send_steps([step_record(s, loss=6.4, loss_scale=2048.0) for s in range(10, 7010, 10)])
+    assert feed.alerts() == []
+    feed.send([step_record(7010, loss=11.4, loss_scale=2048.0),
+               step_record(7020, loss=6.5, loss_scale=2048.0)])  # fmt: skip
+    (alert,) = feed.alerts(rule="loss_spike")
+    assert (alert.started_step, alert.fired_step) == (7001, 7010)
 
 
 def test_grad_norm_spike_reads_applied_steps_only(feed: Feed) -> None:
