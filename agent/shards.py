@@ -152,15 +152,16 @@ def has_flat_params(names: Iterable[str]) -> bool:
     return any(name == FLAT_PARAM or name.endswith("." + FLAT_PARAM) for name in names)
 
 
-def clip_total(total: torch.Tensor) -> torch.Tensor | None:
-    """The global norm a clip returned, as a plain tensor without a collective: FSDP2's is a
-    Replicate DTensor (every rank's local tensor is the global norm); a DTensor still
-    Partial would need one, so None."""
-    if is_dtensor(total):
-        placements = getattr(total, "placements", ())
+def whole_scalar(value: torch.Tensor) -> torch.Tensor | None:
+    """A one-element value every rank holds whole (the global norm a clip returned; a
+    number given to `record()`), as a plain 0-d tensor, without a collective: FSDP2's clip
+    returns a Replicate DTensor, whose local tensor is the global norm on every rank; a
+    DTensor still Partial (or Shard) would need a collective, so None."""
+    if is_dtensor(value):
+        placements = getattr(value, "placements", ())
         if not all(type(p).__name__ == "Replicate" for p in placements):
             return None
-    return scalar(total)
+    return scalar(value)
 
 
 def tap_fsdp1_clip(

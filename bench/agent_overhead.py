@@ -17,6 +17,7 @@ in memory: this measures the agent, not the network.
     python bench/agent_overhead.py --quick       # smoke run: 1 round, few steps
     python bench/agent_overhead.py --device cuda # on a GPU (bar there: <= 1.01)
     python bench/agent_overhead.py --lightning   # the Lightning callback vs the plain agent
+    python bench/agent_overhead.py --fsdp2 --sizes 0.1M  # FSDP2, 2 gloo processes
 
 The loop clips in the canonical order (`unscale_`, `clip_grad_norm_(1.0)`, `step`), as
 most training loops do, and the agent stores the norm that clip returned instead of a
@@ -194,6 +195,9 @@ def main() -> None:
         "--lightning", action="store_true", help="the Lightning callback vs the plain agent"
     )
     parser.add_argument(
+        "--fsdp2", action="store_true", help="the model under FSDP2 on 2 gloo CPU processes"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="torch intra-op threads (default: torch's); 1 steadies a loaded shared host, "
@@ -209,6 +213,11 @@ def main() -> None:
         from lightning_overhead import lightning_variant
 
         lightning_variant(args.sizes, args.rounds, args.steps, args.calls, random.Random(0))
+        return
+    if args.fsdp2:
+        from fsdp2_overhead import fsdp2_variant
+
+        fsdp2_variant(args.sizes, args.rounds, args.steps)
         return
 
     rng = random.Random(0)

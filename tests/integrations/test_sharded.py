@@ -37,8 +37,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _sent(folder: Path, rank: int) -> dict[str, list[Any]]:
     batches = [
-        json.loads(gzip.decompress(p.read_bytes()))
-        for p in sorted(folder.glob(f"rank{rank}-*"))
+        json.loads(gzip.decompress(p.read_bytes())) for p in sorted(folder.glob(f"rank{rank}-*"))
     ]
     return {
         kind: [r for b in batches for r in b[kind]] for kind in ("steps", "layer_stats", "events")
