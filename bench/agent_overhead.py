@@ -118,15 +118,22 @@ def _block(loop: Loop, steps: int, every: int | None) -> dict[str, list[float]]:
         handle = watch(
             model, optimizer, scaler, transport=lambda body, headers: 200, layer_stats_every=every
         )
-    times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    _train_step(loop, 0)  # untimed in every mode: attach-time work and the sampled step 1
-    for step in range(1, steps + 1):
-        wall, cpu = time.perf_counter(), time.process_time()
-        _train_step(loop, step)
-        times["wall"].append(time.perf_counter() - wall)
-        times["cpu"].append(time.process_time() - cpu)
+    times = timed_steps(lambda step: _train_step(loop, step), steps)
     if handle is not None:
         handle.detach()
+    return times
+
+
+def timed_steps(train_step: Callable[[int], None], steps: int) -> dict[str, list[float]]:
+    """Seconds of steps 1..`steps` by both clocks, after an untimed step 0 (in every mode:
+    attach-time work and the sampled step 1)."""
+    times: dict[str, list[float]] = {"wall": [], "cpu": []}
+    train_step(0)
+    for step in range(1, steps + 1):
+        wall, cpu = time.perf_counter(), time.process_time()
+        train_step(step)
+        times["wall"].append(time.perf_counter() - wall)
+        times["cpu"].append(time.process_time() - cpu)
     return times
 
 

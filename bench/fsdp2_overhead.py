@@ -19,13 +19,22 @@ import os
 import random
 import statistics
 import tempfile
-import time
 import warnings
 
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
-from agent_overhead import CLIP, CLIP_NORM, CLOCKS, MODES, SIZES, Block, _model, _quartiles
+from agent_overhead import (
+    CLIP,
+    CLIP_NORM,
+    CLOCKS,
+    MODES,
+    SIZES,
+    Block,
+    _model,
+    _quartiles,
+    timed_steps,
+)
 from torch import nn
 
 Loop = tuple[nn.Module, torch.optim.Optimizer, torch.Tensor]
@@ -70,13 +79,7 @@ def _block(loop: Loop, steps: int, every: int | None) -> dict[str, list[float]]:
         handle = watch(
             model, optimizer, transport=lambda body, headers: 200, layer_stats_every=every
         )
-    times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    _train_step(loop, 0)  # untimed in every mode: attach-time work and the sampled step 1
-    for step in range(1, steps + 1):
-        wall, cpu = time.perf_counter(), time.process_time()
-        _train_step(loop, step)
-        times["wall"].append(time.perf_counter() - wall)
-        times["cpu"].append(time.process_time() - cpu)
+    times = timed_steps(lambda step: _train_step(loop, step), steps)
     if handle is not None:
         handle.detach()
     return times

@@ -102,6 +102,11 @@ def _wrap(case: Case, model: nn.Module) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "to_local", None)
+    return (local() if callable(local) else tensor).detach()
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
@@ -110,16 +115,16 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -> dict[str, Any]:
     """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g|
     of the whole gradient, from full tensors (the test's own collectives, on every rank)."""
+    if case.wrap != "ddp" and not (case.orig_params and sampled):
+        # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the last
+        # shard with zeros, which add nothing); gathering whole tensors is for sampled steps.
+        local = [_local(p.grad).float() for p in model.parameters() if p.grad is not None]
+        squares = torch.stack([g.pow(2).sum() for g in local]).sum()
+        dist.all_reduce(squares)
+        return {"norm": math.sqrt(float(squares)), "layers": None}
     if case.wrap == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if not (case.orig_params and sampled):
-            # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the
-            # last shard with zeros, which add nothing); gathering is for sampled steps.
-            local = [p.grad.detach().float() for p in model.parameters() if p.grad is not None]
-            squares = torch.stack([g.pow(2).sum() for g in local]).sum()
-            dist.all_reduce(squares)
-            return {"norm": math.sqrt(float(squares)), "layers": None}
         with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
             grads = [p.grad.detach().float().clone() for p in model.parameters()]
     else:

@@ -23,6 +23,10 @@ from sharded_run import CASES, EVERY, OVERFLOW_STEPS, STEPS, TinyTransformer, ru
 
 from ampwatch.agent import wire
 
+#: One spawn runs every case (the first test pays for it): ~1 min of CPU, longer on a
+#: loaded host, where each gloo collective waits for both processes to be scheduled.
+pytestmark = pytest.mark.timeout(900)
+
 USER_NAMES = {n for n, _ in TinyTransformer().named_parameters()}
 NO_NORM_NAMES = {n for n, _ in TinyTransformer(final_norm=False).named_parameters()}
 
