@@ -147,6 +147,25 @@ def sharding(model: nn.Module, params: Iterable[nn.Parameter]) -> str | None:
     return None
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a sharding wrapper's mixed-precision policy casts parameters to for
+    forward and backward (FSDP1's `MixedPrecision.param_dtype`, FSDP2's
+    `MixedPrecisionPolicy.param_dtype`), which the stored fp32 shards do not show; None
+    without one. FSDP2 keeps its policy on private state: read defensively."""
+    for module in model.modules():
+        policy = getattr(module, "mixed_precision", None)  # FSDP1
+        state = getattr(module, "_get_fsdp_state", None)  # FSDP2
+        if policy is None and callable(state):
+            try:
+                policy = getattr(state(), "_mp_policy", None)
+            except Exception:  # noqa: BLE001 - private API: no policy known, not an error
+                policy = None
+        dtype = getattr(policy, "param_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return None
+
+
 def has_flat_params(names: Iterable[str]) -> bool:
     """Whether FSDP1 flat parameters stand for the user's (`use_orig_params=False`)."""
     return any(name == FLAT_PARAM or name.endswith("." + FLAT_PARAM) for name in names)

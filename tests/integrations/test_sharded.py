@@ -100,6 +100,11 @@ def test_sharded_case(matrix: Path, case: Any) -> None:
 
     start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
     assert start["sharding"] == (case.wrap if sharded else None)
+    if sharded:  # the shards are fp32; the wrapper's policy computes in case.dtype
+        bf16 = str(case.dtype) == "torch.bfloat16"
+        assert start["precision"] == ("bf16" if bf16 else "fp16")
+        if bf16:
+            assert findings["bf16_in_use"]["source"] == "fsdp_mixed_precision"
     layers = [_gradient_layers(sent[r]["layer_stats"]) for r in (0, 1)]
     for rank in (0, 1):
         assert [r["step"] for r in layers[rank]] == list(range(1, STEPS + 1, EVERY))
