@@ -27,6 +27,7 @@ from ampwatch.agent.hooks import find_final_layer
 from ampwatch.agent.http_transport import Transport, http_transport
 from ampwatch.agent.sampling import to_host
 from ampwatch.agent.scaler import checked_min_loss_scale, scaler_config
+from ampwatch.agent.shards import compute_dtype
 from ampwatch.agent.summary import (
     guess_precision,
     model_summary,
@@ -242,7 +243,7 @@ def watch(
             "optimizers": [optimizer_summary(o) for o in optimizers],
             "scaler": scaler_config(scaler) if scaler is not None else None,
             wire.MIN_LOSS_SCALE: min_loss_scale,
-            "precision": guess_precision(model, scaler is not None),
+            "precision": guess_precision(model, scaler is not None, compute_dtype(model)),
             "final_layer": None
             if head is None
             else {"name": head[0], "measures": "input" if head[2] else "output"},

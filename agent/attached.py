@@ -237,6 +237,21 @@ def attach_findings(handle: AttachedHandle, model: nn.Module, unscaled: bool) ->
             params=bf16[:20],
             count=len(bf16),
         )
+    # FSDP's policy computes in a dtype its fp32 shards do not show (a code is sent once).
+    compute = shards.compute_dtype(model)
+    if compute == torch.float16 and unscaled:
+        handle._finding(
+            "fp16_params_without_scaler",
+            "the sharding wrapper's mixed-precision policy computes in float16 and no "
+            "enabled GradScaler is watched: small gradients will underflow to zero",
+            source="fsdp_mixed_precision",
+        )
+    if compute == torch.bfloat16:
+        handle._finding(
+            "bf16_in_use",
+            "the sharding wrapper's mixed-precision policy computes in bfloat16",
+            source="fsdp_mixed_precision",
+        )
     if shards.has_flat_params(name for name, _ in handle._named_params):
         handle._finding("flat_params", shards.FLAT_PARAMS)
     if fp8 := params_of_dtype(model, FP8, buffers=True):

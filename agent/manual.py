@@ -76,6 +76,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from ampwatch.agent.records import StepSample
+from ampwatch.agent.shards import whole_scalar
 
 ToHost = Callable[[torch.Tensor], tuple[torch.Tensor, "torch.cuda.Event | None"]]
 
@@ -92,7 +93,9 @@ def manual_sample(
         if value is None:
             continue
         if isinstance(value, torch.Tensor):
-            tensors[name] = value.detach().reshape(())
+            if (local := whole_scalar(value)) is None:  # a shard, or not one element
+                raise TypeError(f"record({name}=...) takes a one-element tensor every rank holds")
+            tensors[name] = local
         elif isinstance(value, (bool, int, float)):
             host[name] = float(value)
         else:

@@ -18,7 +18,7 @@ from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProb
 from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
-from ampwatch.agent.shards import GRAD_NORM_SHARDED, clip_total, scalar
+from ampwatch.agent.shards import GRAD_NORM_SHARDED, scalar, whole_scalar
 from ampwatch.agent.stats import (
     Grads,
     RunningMean,
@@ -123,7 +123,7 @@ class StepSampling(WatchHandle):
                 return
             if isinstance(norm_type, (int, float)) and float(norm_type) == 2.0:
                 covered = sum(1 for p in params if p.grad is not None)
-                local = clip_total(total)  # FSDP2: a Replicate DTensor
+                local = whole_scalar(total)  # FSDP2: a Replicate DTensor
                 if local is None:
                     self._clips = None  # a norm this rank cannot read without a collective
                     return

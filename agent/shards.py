@@ -147,20 +147,40 @@ def sharding(model: nn.Module, params: Iterable[nn.Parameter]) -> str | None:
     return None
 
 
+def compute_dtype(model: nn.Module) -> torch.dtype | None:
+    """The dtype a sharding wrapper's mixed-precision policy casts parameters to for
+    forward and backward (FSDP1's `MixedPrecision.param_dtype`, FSDP2's
+    `MixedPrecisionPolicy.param_dtype`), which the stored fp32 shards do not show; None
+    without one. FSDP2 keeps its policy on private state: read defensively."""
+    for module in model.modules():
+        policy = getattr(module, "mixed_precision", None)  # FSDP1
+        state = getattr(module, "_get_fsdp_state", None)  # FSDP2
+        if policy is None and callable(state):
+            try:
+                policy = getattr(state(), "_mp_policy", None)
+            except Exception:  # noqa: BLE001 - private API: no policy known, not an error
+                policy = None
+        dtype = getattr(policy, "param_dtype", None)
+        if isinstance(dtype, torch.dtype):
+            return dtype
+    return None
+
+
 def has_flat_params(names: Iterable[str]) -> bool:
     """Whether FSDP1 flat parameters stand for the user's (`use_orig_params=False`)."""
     return any(name == FLAT_PARAM or name.endswith("." + FLAT_PARAM) for name in names)
 
 
-def clip_total(total: torch.Tensor) -> torch.Tensor | None:
-    """The global norm a clip returned, as a plain tensor without a collective: FSDP2's is a
-    Replicate DTensor (every rank's local tensor is the global norm); a DTensor still
-    Partial would need one, so None."""
-    if is_dtensor(total):
-        placements = getattr(total, "placements", ())
+def whole_scalar(value: torch.Tensor) -> torch.Tensor | None:
+    """A one-element value every rank holds whole (the global norm a clip returned; a
+    number given to `record()`), as a plain 0-d tensor, without a collective: FSDP2's clip
+    returns a Replicate DTensor, whose local tensor is the global norm on every rank; a
+    DTensor still Partial (or Shard) would need a collective, so None."""
+    if is_dtensor(value):
+        placements = getattr(value, "placements", ())
         if not all(type(p).__name__ == "Replicate" for p in placements):
             return None
-    return scalar(total)
+    return scalar(value)
 
 
 def tap_fsdp1_clip(

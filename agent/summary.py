@@ -26,10 +26,13 @@ def model_summary(model: nn.Module) -> dict[str, Any]:
     }
 
 
-def guess_precision(model: nn.Module, scaler_enabled: bool) -> str:
-    """A label for the recipe, from parameter dtypes and the scaler (autocast is not visible
+def guess_precision(
+    model: nn.Module, scaler_enabled: bool, compute: torch.dtype | None = None
+) -> str:
+    """A label for the recipe, from parameter dtypes, the dtype a sharding wrapper computes
+    in (`compute`: FSDP's mixed-precision policy) and the scaler (autocast is not visible
     at attach time, so an fp32 model with a scaler is taken to be fp16 autocast)."""
-    dtypes = {p.dtype for p in model.parameters()}
+    dtypes = {p.dtype for p in model.parameters()} | ({compute} if compute else set())
     if torch.float16 in dtypes:
         return "fp16" if scaler_enabled else "fp16 (no loss scaler)"
     if torch.bfloat16 in dtypes:

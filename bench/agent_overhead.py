@@ -17,6 +17,7 @@ in memory: this measures the agent, not the network.
     python bench/agent_overhead.py --quick       # smoke run: 1 round, few steps
     python bench/agent_overhead.py --device cuda # on a GPU (bar there: <= 1.01)
     python bench/agent_overhead.py --lightning   # the Lightning callback vs the plain agent
+    python bench/agent_overhead.py --fsdp2 --sizes 0.1M  # FSDP2, 2 gloo processes
 
 The loop clips in the canonical order (`unscale_`, `clip_grad_norm_(1.0)`, `step`), as
 most training loops do, and the agent stores the norm that clip returned instead of a
@@ -117,15 +118,22 @@ def _block(loop: Loop, steps: int, every: int | None) -> dict[str, list[float]]:
         handle = watch(
             model, optimizer, scaler, transport=lambda body, headers: 200, layer_stats_every=every
         )
-    times: dict[str, list[float]] = {"wall": [], "cpu": []}
-    _train_step(loop, 0)  # untimed in every mode: attach-time work and the sampled step 1
-    for step in range(1, steps + 1):
-        wall, cpu = time.perf_counter(), time.process_time()
-        _train_step(loop, step)
-        times["wall"].append(time.perf_counter() - wall)
-        times["cpu"].append(time.process_time() - cpu)
+    times = timed_steps(lambda step: _train_step(loop, step), steps)
     if handle is not None:
         handle.detach()
+    return times
+
+
+def timed_steps(train_step: Callable[[int], None], steps: int) -> dict[str, list[float]]:
+    """Seconds of steps 1..`steps` by both clocks, after an untimed step 0 (in every mode:
+    attach-time work and the sampled step 1)."""
+    times: dict[str, list[float]] = {"wall": [], "cpu": []}
+    train_step(0)
+    for step in range(1, steps + 1):
+        wall, cpu = time.perf_counter(), time.process_time()
+        train_step(step)
+        times["wall"].append(time.perf_counter() - wall)
+        times["cpu"].append(time.process_time() - cpu)
     return times
 
 
@@ -194,6 +202,9 @@ def main() -> None:
         "--lightning", action="store_true", help="the Lightning callback vs the plain agent"
     )
     parser.add_argument(
+        "--fsdp2", action="store_true", help="the model under FSDP2 on 2 gloo CPU processes"
+    )
+    parser.add_argument(
         "--threads",
         type=int,
         help="torch intra-op threads (default: torch's); 1 steadies a loaded shared host, "
@@ -209,6 +220,11 @@ def main() -> None:
         from lightning_overhead import lightning_variant
 
         lightning_variant(args.sizes, args.rounds, args.steps, args.calls, random.Random(0))
+        return
+    if args.fsdp2:
+        from fsdp2_overhead import fsdp2_variant
+
+        fsdp2_variant(args.sizes, args.rounds, args.steps)
         return
 
     rng = random.Random(0)

@@ -102,27 +102,31 @@ def _wrap(case: Case, model: nn.Module) -> nn.Module:
     return nn.parallel.DistributedDataParallel(model)
 
 
+def _local(tensor: torch.Tensor) -> torch.Tensor:
+    local = getattr(tensor, "to_local", None)
+    return (local() if callable(local) else tensor).detach()
+
+
 def _full(tensor: torch.Tensor) -> torch.Tensor:
     full = getattr(tensor, "full_tensor", None)
     return full() if callable(full) else tensor
 
 
-def _grad_truth(case: Case, model: nn.Module, names: list[str]) -> dict[str, Any]:
-    """The global norm and, per parameter, zero count / numel / max|g| of the whole
-    gradient, from full tensors (the test's own collectives, on every rank)."""
+def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -> dict[str, Any]:
+    """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g|
+    of the whole gradient, from full tensors (the test's own collectives, on every rank)."""
+    if case.wrap != "ddp" and not (case.orig_params and sampled):
+        # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the last
+        # shard with zeros, which add nothing); gathering whole tensors is for sampled steps.
+        local = [_local(p.grad).float() for p in model.parameters() if p.grad is not None]
+        squares = torch.stack([g.pow(2).sum() for g in local]).sum()
+        dist.all_reduce(squares)
+        return {"norm": math.sqrt(float(squares)), "layers": None}
     if case.wrap == "fsdp1":
-        # Every rank's shard of every flat parameter: its squares, zeros and max, reduced
-        # across ranks by the test (FSDP1 pads the last shard with zeros: not counted).
         from torch.distributed.fsdp import FullyShardedDataParallel
 
-        if case.orig_params:
-            with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
-                grads = [p.grad.detach().float().clone() for p in model.parameters()]
-        else:
-            grads = [p.grad.detach().float() for p in model.parameters()]
-            squares = torch.stack([g.pow(2).sum() for g in grads]).sum()
-            dist.all_reduce(squares)
-            return {"norm": math.sqrt(float(squares)), "layers": None}
+        with FullyShardedDataParallel.summon_full_params(model, with_grads=True):
+            grads = [p.grad.detach().float().clone() for p in model.parameters()]
     else:
         grads = [_full(p.grad).detach().float() for p in model.parameters()]
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
@@ -186,7 +190,7 @@ def _train(
         else:
             loss.backward()
         if truth is not None:
-            grads = _grad_truth(case, model, names)
+            grads = _grad_truth(case, model, names, (step - 1) % EVERY == 0)
             scale = truth_scale if scaler is not None else 1.0
             truth["grad_norm"].append(grads["norm"])
             if grads["layers"] is not None and (step - 1) % EVERY == 0:
@@ -253,4 +257,3 @@ def run_cases(rank: int, world_size: int, init_file: str, out: str) -> None:
             dist.barrier()
     finally:
         dist.destroy_process_group()
-

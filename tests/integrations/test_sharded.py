@@ -23,6 +23,10 @@ from sharded_run import CASES, EVERY, OVERFLOW_STEPS, STEPS, TinyTransformer, ru
 
 from ampwatch.agent import wire
 
+#: One spawn runs every case (the first test pays for it): ~1 min of CPU, longer on a
+#: loaded host, where each gloo collective waits for both processes to be scheduled.
+pytestmark = pytest.mark.timeout(900)
+
 USER_NAMES = {n for n, _ in TinyTransformer().named_parameters()}
 NO_NORM_NAMES = {n for n, _ in TinyTransformer(final_norm=False).named_parameters()}
 
@@ -37,8 +41,7 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 def _sent(folder: Path, rank: int) -> dict[str, list[Any]]:
     batches = [
-        json.loads(gzip.decompress(p.read_bytes()))
-        for p in sorted(folder.glob(f"rank{rank}-*"))
+        json.loads(gzip.decompress(p.read_bytes())) for p in sorted(folder.glob(f"rank{rank}-*"))
     ]
     return {
         kind: [r for b in batches for r in b[kind]] for kind in ("steps", "layer_stats", "events")
@@ -97,6 +100,11 @@ def test_sharded_case(matrix: Path, case: Any) -> None:
 
     start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
     assert start["sharding"] == (case.wrap if sharded else None)
+    if sharded:  # the shards are fp32; the wrapper's policy computes in case.dtype
+        bf16 = str(case.dtype) == "torch.bfloat16"
+        assert start["precision"] == ("bf16" if bf16 else "fp16")
+        if bf16:
+            assert findings["bf16_in_use"]["source"] == "fsdp_mixed_precision"
     layers = [_gradient_layers(sent[r]["layer_stats"]) for r in (0, 1)]
     for rank in (0, 1):
         assert [r["step"] for r in layers[rank]] == list(range(1, STEPS + 1, EVERY))
