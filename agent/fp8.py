@@ -4,9 +4,11 @@ Every M steps (`DEFAULT_EVERY`) the agent measures, for every `nn.Linear`'s weig
 gradient and (optionally) input activation, under each scaling of `wire.FP8_SCALINGS` and
 each format of `wire.FP8_FORMATS`: the share of elements that would flush to zero, the
 share that would saturate, and the relative quantisation error; plus the spread of the
-per-group scales. Everything is computed on the device and gathered into one tensor per
-sample whose host copy starts without waiting (the same path as the gradient-range
-statistics); the sender thread turns the counts into shares (`Fp8Sample.records`).
+per-group scales. A GPU tensor's are computed on the device by kernels launched from the
+training thread and gathered into one tensor per sample whose host copy starts without
+waiting (the same path as the gradient-range statistics). A CPU tensor is copied (up to
+`_COPY_BYTES` a sample) and measured on the sender thread, off the training loop's path.
+The sender turns the counts into shares (`Fp8Sample.records`).
 
 Semantics (one home: `quantisation_counts`; the tests check them against torch's own
 `float8_e4m3fn` / `float8_e5m2` casts, group by group):
@@ -23,17 +25,19 @@ Semantics (one home: `quantisation_counts`; the tests check them against torch's
   group; s = 1 for an all-zero group), as Transformer Engine's current scaling and
   DeepSeek-V3's `amax / 448` do. y = |x| * s in float32, then a saturating cast.
 - flush: x != 0 and the cast of y is 0; saturate: y rounds past fmax (a non-saturating
-  cast gives Inf/NaN; the saturating one clips to fmax). Both over all elements (Transformer Engine's `underflows%` divides by
-  numel too). error: ||dequantised - x||_2 / ||x||_2 over the tensor (0 for a zero tensor).
+  cast gives Inf/NaN; the saturating one clips to fmax), which these scalings never let
+  happen. Both over all elements (Transformer Engine's `underflows%` divides by numel too). error: ||dequantised - x||_2 / ||x||_2 over the tensor (0 for a zero tensor).
 - NaN and +-Inf elements are left out of the scales and of every count and norm (they are
   neither flushed nor saturated, and count as zeros): the scaler skips such a step anyway,
   and one Inf must not make the whole tensor look flushed.
 - spread: log2(max group amax / min non-zero group amax), in binary orders of magnitude:
   how far apart the groups' scales are (0 when fewer than one non-zero group).
 
-Cost: no host sync; flush and saturate compare y with the format's rounding threshold and
-maximum (equal to the cast's outcome, which the tests check), the error uses the cast.
-`bench/fp8_overhead.py` measured it; see `DEFAULT_EVERY`.
+Cost: no host sync; one read of each tensor for all eight combinations (`quantisation_counts`:
+group maxima once, then the eight scaled copies a slice at a time on reused buffers), the
+rounding done in float32 arithmetic equal to the casts (`_round_into`; torch's E4M3 ->
+float32 decode alone took ~10x as long on a CPU), the saturate count proven 0 rather than
+counted (`SATURATE_ABOVE`). `bench/fp8_overhead.py` measured it; see `DEFAULT_EVERY`.
 """
 
 from __future__ import annotations
