@@ -42,7 +42,7 @@ sys.path.insert(0, str(Path(__file__).parent))
 from agent_overhead import _setup, _train_step
 
 from ampwatch.agent import watch
-from ampwatch.agent.fp8 import DEFAULT_EVERY, quantisation_counts
+from ampwatch.agent.fp8 import DEFAULT_EVERY, Workspace, quantisation_counts
 
 TENSOR_SIZES = ((200, 333), (1024, 256), (1024, 1024), (4096, 1024))
 MODELS = ("0.1M", "3M", "linear5")
@@ -60,13 +60,14 @@ def _sync(device: str) -> None:
 
 
 def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], ...]) -> None:
+    workspace = Workspace()  # reused, as the monitor reuses it
     for rows, cols in sizes:
         x = torch.randn(rows, cols, device=device)
-        quantisation_counts(x)
+        quantisation_counts(x, workspace)
         times = []
         for _ in range(calls):
             wall = time.perf_counter()
-            quantisation_counts(x)
+            quantisation_counts(x, workspace)
             _sync(device)
             times.append(time.perf_counter() - wall)
         seconds = statistics.median(times)
