@@ -120,7 +120,7 @@ def watch(
     leaf module (overflow headroom for FP16/FP8 activations), sent with the layer
     statistics (so not with `handle.record()` alone). Off by default: it adds a reduction
     per leaf module to a sampled step's forwards.
-    `fp8_stats_every` (M, default 200; None: off): FP8 readiness of every nn.Linear's
+    `fp8_stats_every` (M, default 500; None: off): FP8 readiness of every nn.Linear's
     weight, gradient and (`fp8_activations`) input at steps 1, M+1, ... (`ampwatch.agent.fp8`);
     `fp8_recipe`: the FP8 recipe the run uses or plans, one of `wire.FP8_RECIPES`.
 

@@ -1,6 +1,8 @@
 """FP8 readiness: every share equals a direct computation with torch's own float8 casts,
 group by group (tile and block edges, all-zero groups, NaN/Inf, sizes that are not a
-multiple of the group), and the agent sends it from a real FP16 autocast loop."""
+multiple of the group); the one-read implementation gives what the straightforward one
+(kept here) gives, on random and adversarial tensors; the agent sends it from a real FP16
+autocast loop, a CPU tensor's statistics computed on the sender thread from a copy."""
 
 from __future__ import annotations
 
@@ -11,11 +13,12 @@ import torch
 from agent_fakes import FakeCollector
 from torch import nn
 
-from ampwatch.agent import watch, wire
+from ampwatch.agent import fp8, watch, wire
 from ampwatch.agent.fp8 import (
     FORMATS,
     VALUES_PER_TENSOR,
     Fp8Monitor,
+    Workspace,
     check_options,
     quantisation_counts,
     shares,
@@ -118,6 +121,137 @@ def test_every_share_equals_torchs_float8_casts(case: str) -> None:
             assert measured[f"{fmt}_{scaling}_error"] == pytest.approx(truth["error"], rel=1e-4)
             if scaling != "tensor":
                 assert measured[f"{scaling}_spread"] == pytest.approx(truth["spread"], abs=1e-5)
+
+
+def reference_counts(x: torch.Tensor) -> list[float]:
+    """The straightforward implementation (the agent's before issue 29): per scaling, a
+    zero-padded grouped copy; per format, the scaled values, their counts, and torch's
+    saturating float8 cast and decode; the same float32 steps, summed in float64."""
+    a = torch.nan_to_num(x.detach().float(), 0.0, 0.0, 0.0).abs_()
+    a = a.reshape(1, -1) if a.dim() < 2 else a.reshape(-1, a.shape[-1])
+    parts: list[float] = []
+    spreads: list[float] = []
+    norm_sq = None
+    for scaling in wire.FP8_SCALINGS:
+        if scaling == "tensor":
+            groups = a.reshape(1, -1)
+        else:
+            height, width = GROUP[scaling]
+            padded = torch.nn.functional.pad(a, (0, -a.shape[1] % width, 0, -a.shape[0] % height))
+            r, c = padded.shape
+            groups = (
+                padded.reshape(r // height, height, c // width, width)
+                .permute(0, 2, 1, 3)
+                .reshape(-1, height * width)
+            )
+        amax = groups.amax(dim=-1, keepdim=True)
+        zeros = int((groups == 0).sum())
+        for fmt in wire.FP8_FORMATS:
+            dtype, fmax, top = FORMATS[fmt]
+            if scaling == "mx":
+                mantissa, exponent = torch.frexp(amax)
+                shared = (exponent - top + (mantissa > 0.875).int()).clamp(-127, 127)
+                scale = torch.ldexp(torch.ones_like(amax), -shared)
+            else:
+                scale = torch.full_like(amax, fmax).div_(amax).clamp_(max=3.4028234663852886e38)
+            scale = torch.where(amax > 0, scale, torch.ones_like(amax))
+            y = groups * scale
+            if norm_sq is None:
+                norm_sq = float(
+                    (y.square().sum(-1, dtype=torch.float64) / scale.double().square().T).sum()
+                )
+            q = y.clamp(max=fmax).to(dtype).float()
+            parts.append(int((q == 0).sum()) - zeros)
+            parts.append(
+                int(torch.isinf(y.to(dtype).float()).sum())
+                if fmt == "e5m2"
+                else int((y > 464.0).sum())
+            )
+            group_sq = (q - y).square().sum(dim=-1, keepdim=True, dtype=torch.float64)
+            parts.append(float((group_sq / scale.double().square()).sum()))
+        if scaling != "tensor":
+            positive = amax[amax > 0]
+            spreads.append(float(torch.log2(amax.max() / positive.min())) if len(positive) else 0.0)
+    assert norm_sq is not None
+    return [*parts, norm_sq, *spreads]
+
+
+def _adversarial() -> dict[str, torch.Tensor]:
+    generator = torch.Generator().manual_seed(7)
+    limits = torch.randn(30, 300, generator=generator)
+    limits[:, ::7] = 448.0
+    limits[:, 1::11] = 57344.0
+    limits[::3, 2::13] = -464.0
+    limits[0, 0], limits[1, 1], limits[2, 2] = 61440.0, 3.4e38, -3.4e38
+    limits[3, :] = 448.0  # a row at E4M3's max: every tile's amax maps to itself
+    steps = torch.tensor([[448.0, 464.0, 432.0, 480.0, 2**-10, 2**-9, 3 * 2**-10, 1.0]])
+    nan_rows = torch.randn(9, 140, generator=generator)
+    nan_rows[0, 3], nan_rows[2, 5], nan_rows[8, 139] = math.nan, math.inf, -math.inf
+    nan_rows[4] = math.nan
+    exponents = torch.randint(-149, 0, (40, 200), generator=generator).float()
+    return {
+        "zeros": torch.zeros(5, 129),
+        "one_element": torch.tensor([3.0]),
+        "one_subnormal": torch.tensor([1e-45]),
+        "subnormals": torch.randn(40, 200, generator=generator) * 1e-40,
+        "down_to_subnormals": torch.randn(40, 200, generator=generator) * torch.exp2(exponents),
+        "limits": limits,
+        "rounding_steps": steps,
+        "nan_inf": nan_rows,
+        "all_nan": torch.full((3, 40), math.nan),
+        "float32_max": torch.full((4, 4), 3.4e38),
+        "grid_0_to_500": torch.linspace(0, 500, 128 * 40).reshape(40, 128),
+        "fp16": (torch.randn(64, 200, generator=generator) * 1000).half(),
+        "bf16_tiny": (torch.randn(64, 200, generator=generator) * 1e-20).bfloat16(),
+        "fp64_tiny": torch.randn(20, 50, dtype=torch.float64, generator=generator) * 1e-30,
+        "block_edges": _wide(131, 257, seed=8),
+    }
+
+
+def _random_tensors(count: int) -> list[torch.Tensor]:
+    """Shapes around the 32 / 128 group sizes (1-D, 2-D, 3-D), values over ~100 binary
+    orders of magnitude, some zeros."""
+    generator = torch.Generator().manual_seed(11)
+    out = []
+    for _ in range(count):
+        dims = int(torch.randint(1, 4, (1,), generator=generator))
+        shape = [int(torch.randint(1, 200, (1,), generator=generator)) for _ in range(dims)]
+        if dims == 3:
+            shape[0] = min(shape[0], 4)
+        x = torch.randn(*shape, generator=generator)
+        x = x * torch.exp2(torch.randint(-70, 30, shape, generator=generator).float())
+        x[torch.rand(*shape, generator=generator) < 0.05] = 0
+        out.append(x)
+    return out
+
+
+def _assert_same(got: list[float], want: list[float], case: str) -> None:
+    """Counts and spreads exactly; float sums of squares to float32 summation (the new
+    one sums 1x32 groups in float32 first)."""
+    combos = len(wire.FP8_SCALINGS) * len(wire.FP8_FORMATS)
+    for i, (g, w) in enumerate(zip(got, want, strict=True)):
+        is_sum = (i < 3 * combos and i % 3 == 2) or i == 3 * combos
+        if is_sum:
+            assert g == pytest.approx(w, rel=1e-6, abs=0), (case, i)
+        else:
+            assert g == w, (case, i)
+
+
+def test_one_read_equals_the_straightforward_implementation() -> None:
+    """Adversarial and random tensors through one shared workspace, in one order: stale
+    buffers (a larger tensor measured before a smaller one) would show."""
+    workspace = Workspace()
+    cases = {**_adversarial(), **{f"random{i}": x for i, x in enumerate(_random_tensors(16))}}
+    for case, x in cases.items():
+        _assert_same(quantisation_counts(x, workspace).tolist(), reference_counts(x), case)
+    assert len(reference_counts(torch.ones(1))) == VALUES_PER_TENSOR
+
+
+def test_nothing_saturates_under_current_or_rounded_up_mx_scaling() -> None:
+    """The saturate count is 0 without a pass (see SATURATE_ABOVE): the casts agree on
+    tensors at and past both formats' limits, and on every random tensor."""
+    for x in [_adversarial()["limits"], _adversarial()["float32_max"], *_random_tensors(8)]:
+        assert reference_counts(x)[1:24:3] == [0] * 8
 
 
 def test_the_cases_exercise_what_they_claim() -> None:
@@ -247,3 +381,53 @@ def test_a_tied_weight_is_named_as_the_gradient_statistics_name_it(
     fp8_names = {name for r in collector.fp8_records() for name in r["names"]}
     assert fp8_names == {"body.weight", "embed.weight"}
     assert fp8_names <= gradient_names
+
+
+def test_a_cpu_sample_is_measured_on_the_sender_thread_from_a_copy() -> None:
+    """The training thread copies a CPU tensor and returns; `records()` (the sender)
+    measures the copy: the weight as it was at the sampled step, though the next step
+    changes it in place."""
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(333, 200), nn.Linear(200, 333))
+    errors: list[BaseException] = []
+    monitor = Fp8Monitor(model, every=1, on_error=errors.append, to_host=lambda t: (t, None))
+    x = torch.randn(2, 16, 333) * 1e3
+    model(x).pow(2).mean().backward()
+    weight, grad = model[0].weight.detach().clone(), model[0].weight.grad.clone()
+    sample = monitor.after_step(1)
+    assert sample is not None and sample.values is None  # nothing measured yet
+    with torch.no_grad():  # what the next optimizer step and zero_grad() do
+        model[0].weight.mul_(1e6)
+        model[0].weight.grad.zero_()
+    by_role = {r["names"][0] + next(iter(r["stats"])).split("_")[1]: r for r in sample.records()}
+    assert errors == []
+    for key, tensor in (("0.weightweight", weight), ("0.weightgrad", grad), ("0.weightact", x)):
+        truth = shares(reference_counts(tensor), tensor.numel())
+        stats = by_role[key]["stats"]
+        role = key.removeprefix("0.weight")
+        assert stats[f"fp8_{role}_e4m3_tile_flush"][0] == truth["e4m3_tile_flush"]
+        assert stats[f"fp8_{role}_e5m2_block_error"][0] == pytest.approx(
+            truth["e5m2_block_error"], rel=1e-6
+        )
+
+
+def test_a_failure_on_the_sender_costs_the_sample_not_the_sender(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    model = nn.Linear(40, 8)
+    errors: list[BaseException] = []
+    monitor = Fp8Monitor(model, every=1, on_error=errors.append, to_host=lambda t: (t, None))
+    model(torch.randn(4, 40)).sum().backward()
+    sample = monitor.after_step(1)
+    assert sample is not None
+
+    def broken(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
+        raise RuntimeError("an odd tensor")
+
+    monkeypatch.setattr(fp8, "quantisation_counts", broken)
+    assert sample.records() == []
+    assert [str(e) for e in errors] == ["an odd tensor"]
+    monkeypatch.undo()
+    model(torch.randn(4, 40)).sum().backward()
+    later = monitor.after_step(2)
+    assert later is not None and len(later.records()) == 3  # the next sample goes on
