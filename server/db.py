@@ -8,6 +8,9 @@ handling is replaced by explicit BEGINs (SQLAlchemy's documented recipe) so that
 transaction can start as `BEGIN IMMEDIATE`: a deferred transaction that reads before it
 writes fails at once with "database is locked" when another writer got there first, while
 an immediate one waits out `busy_timeout`.
+
+Every JSON column is written with `wire.dumps` (both backends): NaN and +-Inf in the wire's
+spelling, never the bare tokens PostgreSQL's json refuses.
 """
 
 from __future__ import annotations

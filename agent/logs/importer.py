@@ -50,9 +50,10 @@ from ampwatch.agent.logs.series import (
 from ampwatch.agent.spool import encode_frame
 from ampwatch.agent.upload import UploadReport, upload
 
-#: Steps per batch: well under the collector's 50,000 records, large enough that a
-#: million-step log is 100 requests.
-BATCH_STEPS = 10_000
+#: Steps per batch: the agent's own seal, half the collector's 4,000 records (which bound
+#: how long a batch holds SQLite's write lock), leaving room for the batch's events; a
+#: million-step log is 500 requests.
+BATCH_STEPS = 2_000
 
 
 @dataclass

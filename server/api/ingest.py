@@ -73,7 +73,11 @@ def parse_json(body: bytes) -> Any:
     try:
         return orjson.loads(body)
     except orjson.JSONDecodeError as error:  # its message names a position, never the text
-        raise HTTPException(status_code=422, detail=f"Invalid JSON: {error}") from None
+        raise HTTPException(
+            status_code=422,
+            detail=f"Invalid JSON: {error} (strict JSON: a non-finite float is written as "
+            '"NaN", "Infinity", "-Infinity")',
+        ) from None
 
 
 class IngestError(BaseModel):
