@@ -219,7 +219,7 @@ class AttachedHandle(StepSampling):
         self._clips = None  # the norm it returns is still multiplied by the scale
         self._finding(
             "clip_before_unscale",
-            "clip_grad_norm_ ran on gradients still multiplied by the loss scale: call "
+            "gradient clipping ran on gradients still multiplied by the loss scale: call "
             "scaler.unscale_(optimizer) before clipping",
             optimizers=optimizers,
             at_step=self._step + 1,

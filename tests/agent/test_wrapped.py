@@ -145,6 +145,42 @@ def test_the_grad_norm_is_the_one_the_loops_clip_returned(
     assert collector.column("skipped") == [False] * 4 + [with_scaler]
 
 
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_clipping_by_value_stores_the_norm_before_the_clip(
+    with_scaler: bool, collector: FakeCollector
+) -> None:
+    """`clip_grad_value_` returns nothing, and the norm read after it was the clipped one
+    (a spike stored as ~ clip_value x sqrt(numel)). Truth: torch's own norm of the
+    gradients just before and just after the loop's clip."""
+    torch.manual_seed(0)
+    model = nn.Linear(4, 2)
+    optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
+    scaler = torch.amp.GradScaler("cpu") if with_scaler else None
+    handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=1)
+    before, after = [], []
+    for step in range(5):
+        loss = model(torch.randn(8, 4) * (1e4 if step == 2 else 1.0)).pow(2).mean()
+        if scaler is not None:
+            scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+        else:
+            loss.backward()
+        grads = [p.grad for p in model.parameters() if p.grad is not None]
+        before.append(torch.nn.utils.get_total_norm(grads).item())
+        torch.nn.utils.clip_grad_value_(model.parameters(), clip_value=0.5)
+        after.append(torch.nn.utils.get_total_norm(grads).item())
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad()
+    handle.detach()
+    assert collector.column("grad_norm") == before
+    assert collector.column("grad_norm_clipped") == after
+    assert before[2] > 1e3 > after[2]  # the spike as it was, not as the clip left it
+
+
 def test_autocast_entered_inside_forward_is_found(collector: FakeCollector) -> None:
     class SelfCasting(nn.Module):  # as accelerate and HF models do
         def __init__(self) -> None:
