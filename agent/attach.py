@@ -14,7 +14,7 @@ import os
 import time
 import uuid
 from collections.abc import Sequence
-from typing import Any, cast
+from typing import Any
 
 import torch
 from torch import nn
@@ -206,7 +206,7 @@ def watch(
     send_steps = sends_steps(info["rank"], every_rank=steps_from_every_rank)
     compiled_as = None
     if compiled.forget_compiled_code(passed, model) or compiled.is_compiled(passed):
-        compiled_as = cast(nn.Module, passed)
+        compiled_as = passed
     handle = AttachedHandle(
         model,
         optimizers,

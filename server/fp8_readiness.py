@@ -402,6 +402,7 @@ def loss_scale_advice(
     steps = _thin(sampled, max_steps)
     totals = np.zeros(wire.EXPONENT_HISTOGRAM_BINS, dtype=np.int64)
     low_field, high_field = wire.EXPONENT_HISTOGRAM_BINS, -1
+    rows: Sequence[Row[int, int, int, bytes]] = []
     if steps:
         rows = session.execute(
             select(LayerHistogram.step, LayerHistogram.layer_idx, LayerHistogram.first_bin,
@@ -492,7 +493,7 @@ def _max_abs(
     run_id: int,
     rank: int,
     steps: list[int],
-    histograms: Sequence[Row[tuple[int, int, int, bytes]]],
+    histograms: Sequence[Row[int, int, int, bytes]],
     high_field: int,
 ) -> float | None:
     """max |g| over the histograms read, from the stored max |g S| and the step's loss
