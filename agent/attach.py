@@ -19,7 +19,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ampwatch.agent import config, fp8, wire
+from ampwatch.agent import compiled, config, fp8, wire
 from ampwatch.agent.attached import AttachedHandle, attach_findings, attached
 from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.handle import Lifecycle, WatchHandle
@@ -165,7 +165,7 @@ def watch(
         scaler = next((s for o in _as_list(optimizer) if (s := wrapped_scaler(o))), None)
     if accelerator is not None and scaler is None:
         scaler = getattr(accelerator, "scaler", None)
-    model = unwrap_model(model)
+    passed, model = model, unwrap_model(model)
     _check_arguments(model, optimizers, scaler, settings, flush_interval, max_queue, transport)
     if delivery is not None and not isinstance(delivery, DeliveryOptions):
         raise TypeError(
@@ -205,6 +205,9 @@ def watch(
         delivery=DeliveryOptions() if delivery is None else delivery,
     )
     send_steps = sends_steps(info["rank"], every_rank=steps_from_every_rank)
+    compiled_as = None
+    if compiled.forget_compiled_code(passed, model) or compiled.is_compiled(passed):
+        compiled_as = passed
     handle = AttachedHandle(
         model,
         optimizers,
@@ -219,12 +222,13 @@ def watch(
         activation_max_abs=activation_max_abs,
         loss_reduction=loss_reduction,
         start_step=start_step,
+        compiled_as=compiled_as,
     )
     if fp8_stats_every and optimizers:
         handle._fp8 = fp8.Fp8Monitor(
             model,
             every=fp8_stats_every,
-            activations=fp8_activations,
+            activations=fp8_activations and compiled_as is None,
             rank=info["rank"],
             on_error=handle._on_error,
             to_host=to_host,

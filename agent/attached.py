@@ -14,12 +14,12 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent import clipping, config, fp8, shards
+from ampwatch.agent import clipping, compiled, config, fp8, shards
 from ampwatch.agent.handle import Lifecycle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
 from ampwatch.agent.manual import manual_sample
 from ampwatch.agent.prenorm import attach_prenorm, take_prenorm
-from ampwatch.agent.records import LayerSample
+from ampwatch.agent.records import LayerSample, StepSample
 from ampwatch.agent.sampling import StepSampling, to_host
 from ampwatch.agent.scaler import ScalerTap
 from ampwatch.agent.stats import RunningMean
@@ -49,6 +49,7 @@ class AttachedHandle(StepSampling):
         activation_max_abs: bool,
         loss_reduction: str,
         start_step: int,
+        compiled_as: nn.Module | None = None,
     ) -> None:
         super().__init__(client_run_id=client_run_id, state=Lifecycle.ATTACHED)
         self._step = start_step
@@ -87,14 +88,23 @@ class AttachedHandle(StepSampling):
             self._act = ActivationNorm(self._on_error)
             self._add_hook(self._act.attach(final_layer[1], final_layer[2]))
         self._prenorm = attach_prenorm(model, final_layer, self._on_error, self._add_hook)
+        #: Whether the model runs under torch.compile (`compiled_as`: the compiled object
+        #: watch() got), or is found to after the first step: no sampled-step hooks then.
+        self._compiled = compiled_as is not None
+        self._compile_checked = self._compiled
         self._act_max: ActivationMaxAbs | None = None
-        if activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
+        if self._compiled:
+            compiled.say_sampled_hooks_off()
+        elif activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
             self._act_max = ActivationMaxAbs(model, self._on_error)
             self._act_max.arm()  # step 1 is sampled
             self._detach_actions.append(self._act_max.disarm)
         device = next((p.device.type for p in model.parameters()), "cpu")
         self._probe = PrecisionProbe(device, self._on_precision, self._on_error)
-        self._probe.attach(model)
+        if compiled_as is None:
+            self._probe.attach(model)
+        elif compiled_as is not model:  # an OptimizedModule: its own hooks run eagerly
+            self._probe.attach(model, root=compiled_as)
         self._detach_actions.append(self._probe.finish)
         if optimizers:
             self._detach_actions.append(clipping.observe(self._on_clip))
@@ -138,6 +148,24 @@ class AttachedHandle(StepSampling):
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._on_error(exc)
 
+    def _emit(self, prepared: tuple[StepSample | None, LayerSample | None]) -> None:
+        if not self._compile_checked:  # the first step's forwards have run
+            self._compile_checked = True
+            if self._probe.traced:
+                self._compiled_after_watch()
+        super()._emit(prepared)
+
+    def _compiled_after_watch(self) -> None:
+        """The model was compiled after watch(): stop adding hooks for sampled steps (each
+        change to a hooked module's hooks recompiles it)."""
+        self._compiled = True
+        if self._act_max is not None:
+            self._act_max.disarm()
+            self._act_max = None
+        if self._fp8 is not None:
+            self._fp8.stop_activations()
+        compiled.say_sampled_hooks_off()
+
     def _record(self, step: int | None, values: dict[str, object]) -> None:
         try:
             number = self._step + 1 if step is None else int(step)
@@ -165,7 +193,17 @@ class AttachedHandle(StepSampling):
                 check(params)
             self._before_clip(params)
 
-        self._detach_actions.append(shards.tap_fsdp1_clip(roots[0], before, self._on_clip))
+        def after(params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm: Any) -> None:
+            try:
+                clipped = None
+                if isinstance(max_norm, (int, float, torch.Tensor)):
+                    clipped = clipping.clipped_norm(total.detach(), max_norm)
+            except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+                self._on_error(exc)
+                return
+            self._on_clip(params, total, clipped, norm)
+
+        self._detach_actions.append(shards.tap_fsdp1_clip(roots[0], before, after))
 
     def _release(self) -> None:
         atexit.unregister(self._at_exit)
@@ -207,7 +245,7 @@ class AttachedHandle(StepSampling):
         self._clips = None  # the norm it returns is still multiplied by the scale
         self._finding(
             "clip_before_unscale",
-            "clip_grad_norm_ ran on gradients still multiplied by the loss scale: call "
+            "gradient clipping ran on gradients still multiplied by the loss scale: call "
             "scaler.unscale_(optimizer) before clipping",
             optimizers=optimizers,
             at_step=self._step + 1,

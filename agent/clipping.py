@@ -1,5 +1,5 @@
-"""Detects `clip_grad_norm_` applied to gradients that are still scaled (before `unscale_`),
-and hands each watched loop the norm its own clip returned.
+"""Detects gradient clipping applied to gradients that are still scaled (before `unscale_`),
+and hands each watched loop the norm before its own clip.
 
 Clipping scaled gradients clips against a threshold S times too small (or, as S changes,
 by a moving amount): DESIGN's canonical order is backward(S·L) → unscale_ → clip → step.
@@ -7,20 +7,26 @@ A GradScaler marks each optimizer's stage in `_per_optimizer_states[id(opt)]["st
 READY until `unscale_` (or `step`) in the iteration, so a clip that touches a parameter of
 a watched optimizer whose stage is READY, while its grads carry the scale, is the bug.
 
-The total norm a clip returns is the norm BEFORE clipping, which the loop has already paid
-for: observers (`observe`) get it, and the agent stores it as the step's grad norm instead
-of a second pass over every gradient. Read after clipping instead, a spike is stored as the
-threshold (HF's default `max_grad_norm=1.0` turns every spike into ~1.0). The clip's
-`max_norm` goes to observers too: the norm after clipping follows from the two on the
-device (`clipped_norm`), without a second pass or a host read.
+The total norm `clip_grad_norm_` returns is the norm BEFORE clipping, which the loop has
+already paid for: observers (`observe`) get it, and the agent stores it as the step's grad
+norm instead of a second pass over every gradient. Read after clipping instead, a spike is
+stored as the threshold (HF's default `max_grad_norm=1.0` turns every spike into ~1.0).
+The norm after that clip follows from the norm and `max_norm` on the device
+(`clipped_norm`), without a second pass or a host read.
 
-`clip_grad_norm_` is a plain function looked up on its module at call time, so the only
-way to see the call without the user's help is to replace that attribute. The replacement
-is narrow: one wrapper shared by every live handle, installed when the first registers and
-the original object put back, unchanged, when the last one leaves. A loop that imported
-the function by name before `watch()` (`from torch.nn.utils import clip_grad_norm_`)
-keeps the original and goes unchecked (Lightning, accelerate and the HF Trainer look it up
-on `torch.nn.utils` at call time).
+`clip_grad_value_` (Lightning's `gradient_clip_algorithm="value"`, accelerate's
+`clip_grad_value_`) returns nothing, and a norm read after it is the clipped one (Lightning
+FP16: 0.281 stored where the norm before the clip was 1.741): the wrapper launches the L2
+norm before the clip and the one after it (`torch.nn.utils.get_total_norm`, as
+`clip_grad_norm_` computes it; two passes, no host read), and observers get both.
+
+Both clips are plain functions looked up on their module at call time, so the only way to
+see the call without the user's help is to replace that attribute. The replacement is
+narrow: one wrapper per function shared by every live handle, installed when the first
+registers and the original objects put back, unchanged, when the last one leaves. A loop
+that imported the function by name before `watch()` (`from torch.nn.utils import
+clip_grad_norm_`) keeps the original and goes unchecked (Lightning, accelerate and the HF
+Trainer look it up on `torch.nn.utils` at call time).
 """
 
 from __future__ import annotations
@@ -34,30 +40,65 @@ import torch.nn.utils.clip_grad as _clip_grad_module
 from torch.amp.grad_scaler import OptState
 
 Check = Callable[[list[torch.Tensor]], None]
-#: (parameters clipped, the total norm the clip returned, its max_norm, its norm_type)
-Observer = Callable[[list[torch.Tensor], torch.Tensor, Any, Any], None]
+#: (parameters clipped, their total norm before the clip, the norm after it or None where
+#: unknown, the norm's type)
+Observer = Callable[[list[torch.Tensor], torch.Tensor, torch.Tensor | None, Any], None]
 
 #: Checkers of live handles: each gets the parameters being clipped, before the clip.
 _checkers: list[Check] = []
-#: Observers of live handles: each gets what the clip returned, after it.
+#: Observers of live handles: each gets the norms before and after a clip, after it.
 _observers: list[Observer] = []
-_original: Callable[..., torch.Tensor] | None = None
+#: The replaced functions, by name in `torch.nn.utils`, while a wrapper is installed.
+_originals: dict[str, Callable[..., Any]] = {}
 
 
-def _wrapper(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
-    assert _original is not None
+def _params(parameters: Any) -> tuple[Any, list[torch.Tensor]]:
+    """(what to pass on, the parameters as a list): a generator must reach the original
+    intact, so it is passed on as the list."""
     if isinstance(parameters, torch.Tensor):
-        params = [parameters]
-    else:
-        parameters = params = list(parameters)  # a generator must reach the original intact
+        return parameters, [parameters]
+    params = list(parameters)
+    return params, params
+
+
+def _norm_wrapper(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    parameters, params = _params(parameters)
     for check in _checkers:
         check(params)  # checkers never raise (see ScaledClipCheck.__call__)
-    total = _original(parameters, *args, **kwargs)
+    total: torch.Tensor = _originals["clip_grad_norm_"](parameters, *args, **kwargs)
     max_norm = kwargs.get("max_norm", args[0] if args else None)
     norm_type = kwargs.get("norm_type", args[1] if len(args) > 1 else 2.0)
-    for observer in _observers:
-        observer(params, total, max_norm, norm_type)  # observers never raise either
+    if _observers:
+        after = None
+        if isinstance(max_norm, (int, float, torch.Tensor)):
+            after = clipped_norm(total.detach(), max_norm)
+        for observer in _observers:
+            observer(params, total, after, norm_type)  # observers never raise either
     return total
+
+
+def _value_wrapper(parameters: Any, *args: Any, **kwargs: Any) -> None:
+    parameters, params = _params(parameters)
+    for check in _checkers:
+        check(params)
+    before = _l2_norm(params) if _observers else None
+    _originals["clip_grad_value_"](parameters, *args, **kwargs)
+    if before is not None:
+        after = _l2_norm(params)
+        for observer in _observers:
+            observer(params, before, after, 2.0)
+
+
+def _l2_norm(params: list[torch.Tensor]) -> torch.Tensor | None:
+    """The L2 norm over the parameters' gradients, as `clip_grad_norm_` computes it; None
+    when it cannot be had (no gradient, or a failure: the clip itself must still run)."""
+    try:
+        grads = [p.grad for p in params if p.grad is not None]
+        if not grads or any(type(g) is not torch.Tensor for g in grads):
+            return None  # a DTensor's norm would run a collective: the agent measures its own
+        return torch.nn.utils.get_total_norm(grads, 2.0)
+    except Exception:  # noqa: BLE001 - the agent never raises into the training loop
+        return None
 
 
 def clipped_norm(total: torch.Tensor, max_norm: float | torch.Tensor) -> torch.Tensor:
@@ -71,21 +112,27 @@ def clipped_norm(total: torch.Tensor, max_norm: float | torch.Tensor) -> torch.T
     return total * coef
 
 
+_WRAPPERS: dict[str, Callable[..., Any]] = {
+    "clip_grad_norm_": _norm_wrapper,
+    "clip_grad_value_": _value_wrapper,
+}
+
+
 def _install() -> None:
-    global _original
-    if _original is None:
-        _original = torch.nn.utils.clip_grad_norm_
-        wrapped = functools.wraps(_original)(_wrapper)
-        torch.nn.utils.clip_grad_norm_ = wrapped
-        _clip_grad_module.clip_grad_norm_ = wrapped
+    for name, wrapper in _WRAPPERS.items():
+        if name not in _originals:
+            _originals[name] = original = getattr(torch.nn.utils, name)
+            wrapped = functools.wraps(original)(wrapper)
+            setattr(torch.nn.utils, name, wrapped)
+            setattr(_clip_grad_module, name, wrapped)
 
 
 def _uninstall_if_unused() -> None:
-    global _original
-    if not _checkers and not _observers and _original is not None:
-        torch.nn.utils.clip_grad_norm_ = _original
-        _clip_grad_module.clip_grad_norm_ = _original
-        _original = None
+    if not _checkers and not _observers:
+        for name, original in _originals.items():
+            setattr(torch.nn.utils, name, original)
+            setattr(_clip_grad_module, name, original)
+        _originals.clear()
 
 
 def _add(registry: list[Any], item: Any) -> Callable[[], None]:

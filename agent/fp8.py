@@ -53,6 +53,7 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from ampwatch.agent import shards, wire
+from ampwatch.agent.compiled import tracing
 
 #: One sample every 500 steps. `bench/fp8_overhead.py` (CPU, one torch thread, 2 cores
 #: shared with a load average of ~14) measured a step that samples against one that does
@@ -448,6 +449,10 @@ class Fp8Monitor:
         self._arm_for(step + 1)
         return sample
 
+    def stop_activations(self) -> None:
+        """No activation hooks from the next step on (a compiled model: `compiled.py`)."""
+        self._activations = False
+
     def disarm(self) -> None:
         """Remove the activation hooks and drop what they measured (detach calls this)."""
         for handle in self._handles:
@@ -463,7 +468,7 @@ class Fp8Monitor:
 
     def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[Any, ...]], None]:
         def hook(module: nn.Module, args: tuple[Any, ...]) -> None:
-            if not torch.is_grad_enabled() or not args:
+            if tracing() or not torch.is_grad_enabled() or not args:
                 return
             try:
                 x = args[0]

@@ -7,6 +7,7 @@ OPT-175B's divergences came with a spike in the L2 norm of the final layer's act
 
 from __future__ import annotations
 
+import itertools
 import math
 from collections.abc import Callable
 from typing import Any
@@ -15,7 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
-from ampwatch.agent.stats import RunningMean
+from ampwatch.agent.compiled import tracing
 
 
 def find_final_layer(model: nn.Module, name: str | None) -> tuple[str, nn.Module, bool] | None:
@@ -46,25 +47,41 @@ class ActivationNorm:
 
     Only forwards that build a graph are measured: evaluation under `torch.no_grad()` must not
     move the training signal. Micro-batches of one step are averaged (mean) and maxed (max).
+
+    Under `torch.compile` the hook is traced into the model's graph, and every Python value
+    it reads becomes a guard: a count or an "is this the first micro-batch" test that
+    changes per micro-batch recompiled the graph each time (8 graphs for 4 micro-batches,
+    and past dynamo's recompile limit the model ran eagerly). So the step's running sum,
+    micro-batch count and max are device tensors, made once and updated in place (their
+    values are graph inputs, not guards), and the only Python state the hook touches is a
+    flag it sets and never reads; `take()` swaps in fresh tensors, which matches the same
+    guards. In eager mode the figures are the same to the bit: the sum starts at an exact
+    0 and the count is exact in float32.
     """
 
     def __init__(self, on_error: Callable[[BaseException], None]) -> None:
         self._on_error = on_error
-        self._mean = RunningMean()
-        self._max: torch.Tensor | None = None
+        self._device = torch.device("cpu")
+        self._sum, self._count, self._max = _accumulators(self._device)
+        self._seen = False
 
     def attach(self, module: nn.Module, measure_input: bool) -> RemovableHandle:
+        tensor = next(itertools.chain(module.parameters(), module.buffers()), None)
+        if tensor is not None:
+            self._device = tensor.device
+            self._sum, self._count, self._max = _accumulators(self._device)
         if measure_input:
             return module.register_forward_pre_hook(self._pre_hook)
         return module.register_forward_hook(self._hook)
 
     def take(self) -> tuple[torch.Tensor, torch.Tensor] | None:
         """Return (mean, max) device scalars since the last take, or None, and reset."""
-        mean, peak = self._mean.take(), self._max
-        self._max = None
-        if mean is None or peak is None:
+        seen, total, count, peak = self._seen, self._sum, self._count, self._max
+        self._seen = False
+        self._sum, self._count, self._max = _accumulators(self._device)
+        if not seen:
             return None
-        return mean, peak
+        return total / count, peak
 
     def _pre_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
         if args:
@@ -81,12 +98,24 @@ class ActivationNorm:
                 value = value[0]  # e.g. a transformer block returning (hidden, attn)
             if not isinstance(value, torch.Tensor) or value.dim() == 0:
                 return
+            if value.device != self._device:  # the model moved after watch()
+                self._device = value.device
+                self._sum, self._count, self._max = (
+                    t.to(value.device) for t in (self._sum, self._count, self._max)
+                )
             norms = torch.linalg.vector_norm(value.detach(), dim=-1, dtype=torch.float32)
-            self._mean.add(norms.mean())
-            peak = norms.amax()
-            self._max = peak if self._max is None else torch.maximum(self._max, peak)
+            self._sum.add_(norms.mean())
+            self._count.add_(1)
+            torch.maximum(self._max, norms.amax(), out=self._max)
+            self._seen = True
         except Exception as exc:  # noqa: BLE001 - never let the agent break a forward pass
             self._on_error(exc)
+
+
+def _accumulators(device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A step's (sum, count, max) for `ActivationNorm`: 0, 0, -inf in float32."""
+    zero = torch.zeros((), dtype=torch.float32, device=device)
+    return zero, zero.clone(), torch.full((), -math.inf, dtype=torch.float32, device=device)
 
 
 class PrecisionProbe:
@@ -114,9 +143,17 @@ class PrecisionProbe:
         self._handles: list[RemovableHandle] = []
         self._model: nn.Module | None = None
         self._autocast_seen = False
+        #: Whether dynamo traced one of its hooks: the model was compiled after watch().
+        self.traced = False
 
-    def attach(self, model: nn.Module) -> None:
+    def attach(self, model: nn.Module, root: nn.Module | None = None) -> None:
+        """Hook `model`'s leaves and its root; with `root` (a `torch.compile` wrapper, whose
+        own hooks run outside the graph), that root only: leaf hooks traced into a compiled
+        graph would learn nothing (`compiled.tracing()`) and recompile it when removed."""
         self._model = model
+        if root is not None:
+            self._handles.append(root.register_forward_hook(self._root_hook))
+            return
         self._handles.append(model.register_forward_hook(self._root_hook))
         for module in model.modules():
             if module is not model and next(module.children(), None) is None:
@@ -144,6 +181,9 @@ class PrecisionProbe:
             self._report("autocast", {"device_type": self._device_type, "dtype": dtype})
 
     def _leaf_hook(self, module: nn.Module, args: tuple[Any, ...]) -> None:
+        if tracing():
+            self.traced = True  # set, never read, in the trace: no guard
+            return
         if not torch.is_grad_enabled():
             return
         try:
@@ -152,7 +192,7 @@ class PrecisionProbe:
             self._on_error(exc)
 
     def _root_hook(self, model: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-        if not torch.is_grad_enabled():
+        if tracing() or not torch.is_grad_enabled():
             return
         try:
             self._check_autocast()
@@ -212,7 +252,7 @@ class ActivationMaxAbs:
 
     def _hook_for(self, name: str) -> Callable[[nn.Module, tuple[Any, ...], Any], None]:
         def hook(module: nn.Module, args: tuple[Any, ...], output: Any) -> None:
-            if not torch.is_grad_enabled():
+            if tracing() or not torch.is_grad_enabled():
                 return
             try:
                 if isinstance(output, (tuple, list)) and output:

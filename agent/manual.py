@@ -11,8 +11,9 @@ A scaler with a floor: pass it as `watch(..., min_loss_scale=...)` (fairseq's
 integration reads the engine's), so that the scale rules judge a low scale against it.
 
 Per framework (attribute names from `shared/reference/loss-scalers.md`; the DeepSpeed one
-is run by tests/integrations/test_deepspeed.py, the others were read from each project's
-source at the commits cited there, not run here):
+is run by tests/integrations/test_deepspeed.py, Megatron's scaler by
+tests/agent/test_megatron.py, the others were read from each project's source at the
+commits cited there, not run here):
 
 DeepSpeed: use `ampwatch.integrations.deepspeed.watch(engine)`, which does this and adds
 layer statistics. By hand, record once per accumulation boundary, reading the scale and lr
@@ -46,9 +47,10 @@ fairseq / metaseq (the trainer catches `OverflowError` from the FP16 optimizer a
 
 Megatron-LM (`optimizer.get_loss_scale()` returns a device tensor: pass it as is, no sync;
 `optimizer.step()` returns (update_successful, grad_norm, num_zeros_in_grad); read the
-scale before `step()`, which updates it. Not run: megatron-core 0.16.1, the last release
-for Python 3.11, imports on the CPU, but `MegatronGradScaler.__init__` allocates its scale
-with `device='cuda'`)::
+scale before `step()`, which updates it. megatron-core 0.16.1, the last release for
+Python 3.11, imports on the CPU, but `MegatronGradScaler.__init__` allocates its scale
+with `device='cuda'`: tests/agent/test_megatron.py runs its `DynamicGradScaler` with that
+scale on the CPU, where megatron-core is installed)::
 
     handle = watch(model, min_loss_scale=args.min_loss_scale)  # the scaler clamps at it
     loss_scale = optimizer.get_loss_scale()

@@ -12,7 +12,7 @@ from typing import Any
 
 import torch
 
-from ampwatch.agent import clipping, fp8
+from ampwatch.agent import fp8
 from ampwatch.agent.handle import WatchHandle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
 from ampwatch.agent.prenorm import take_prenorm
@@ -116,7 +116,11 @@ class StepSampling(WatchHandle):
         return early if early is not None else self._layer_sample(step, grads, scale)
 
     def _on_clip(
-        self, params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm_type: Any
+        self,
+        params: list[torch.Tensor],
+        total: torch.Tensor,
+        after: torch.Tensor | None,
+        norm_type: Any,
     ) -> None:
         try:
             if self._clips is None:
@@ -127,11 +131,8 @@ class StepSampling(WatchHandle):
                 if local is None:
                     self._clips = None  # a norm this rank cannot read without a collective
                     return
-                total = local
-                after = None
-                if isinstance(max_norm, (int, float, torch.Tensor)):
-                    after = clipping.clipped_norm(total, max_norm)
-                self._clips.append((total, after, covered))
+                clipped = None if after is None else whole_scalar(after)
+                self._clips.append((local, clipped, covered))
             else:
                 self._clips = None  # another norm: measure the L2 norm ourselves
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training

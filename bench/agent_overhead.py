@@ -162,7 +162,7 @@ def _isolated(loop: Loop, calls: int) -> dict[str, float]:
     before_update: Callable[[], object] = handle._before_update
 
     params = list(model.parameters())
-    unwrapped_clip = clipping._original  # the clip itself, without the agent's wrapper
+    unwrapped_clip = clipping._originals["clip_grad_norm_"]  # the clip, without the wrapper
 
     def median_time(step: int | None) -> float:
         times = []

@@ -18,14 +18,15 @@ run; the loss-scale advice reads <= `max_steps` sampled steps' exponent histogra
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 
 import numpy as np
 from pydantic import BaseModel, Field
-from sqlalchemy import select
+from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent import wire
-from ampwatch.server.models import Event, Layer, LayerHistogram, LayerStat
+from ampwatch.server.models import Event, Layer, LayerHistogram, LayerStat, Step
 from ampwatch.server.packed import unpack_matrix
 
 VERDICTS = ("fits", "needs_finer_scaling", "keep_bf16")
@@ -344,8 +345,13 @@ def _layer(
 
 #: Histogram field f holds |g| in [2^(f-127), 2^(f-126)); at S = 2^k a bin flushes in FP16
 #: exactly when f <= 102 - k (|g S| < 2^-24 is a bin boundary) and may overflow when
-#: f >= 142 - k (its top reaches 2^16 > 65504; 65504 is inside bin 142 - k, so this is an
-#: upper bound). Field 0 (zeros, float32 subnormals) and 255 (Inf/NaN) are left out.
+#: f >= 142 - k (its top reaches 2^16 > 65504; 65504 is inside bin 142 - k, so the bins
+#: alone bound it from above, and a range read from them alone stopped one power of two
+#: short whenever max |g| S <= 65504 < 2^16: gradients up to 12 gave [7, 11] for [7, 12]).
+#: The top end is exact from the stored `max_abs_scaled` (max |g S| at the step's S, a
+#: power of two for a GradScaler: max |g| exactly) (`_max_abs`, `_top_exponent`); the bins
+#: bound it where that max is unknown. Field 0 (zeros, float32 subnormals) and 255
+#: (Inf/NaN) are left out.
 _FLUSH_TOP = wire.EXPONENT_BIAS - 25
 _OVERFLOW_FROM = wire.EXPONENT_BIAS + 15
 
@@ -396,14 +402,16 @@ def loss_scale_advice(
     steps = _thin(sampled, max_steps)
     totals = np.zeros(wire.EXPONENT_HISTOGRAM_BINS, dtype=np.int64)
     low_field, high_field = wire.EXPONENT_HISTOGRAM_BINS, -1
+    rows: Sequence[Row[int, int, int, bytes]] = []
     if steps:
         rows = session.execute(
-            select(LayerHistogram.first_bin, LayerHistogram.counts).where(
+            select(LayerHistogram.step, LayerHistogram.layer_idx, LayerHistogram.first_bin,
+                   LayerHistogram.counts).where(
                 LayerHistogram.run_id == run_id, LayerHistogram.rank == rank,
                 LayerHistogram.step.in_(steps),
             )
         ).all()  # fmt: skip
-        for first, blob in rows:
+        for _, _, first, blob in rows:
             counts = np.frombuffer(blob, dtype="<i8")
             totals[first : first + counts.size] += counts
     finite = totals.copy()
@@ -417,7 +425,9 @@ def loss_scale_advice(
     if present.size == 0:
         return advice
     low_field, high_field = int(present[0]), int(present[-1])
-    k_low, k_high = _FLUSH_TOP + 1 - low_field, _OVERFLOW_FROM - 1 - high_field
+    peak = _max_abs(session, run_id, rank, steps, rows, high_field)
+    k_low = _FLUSH_TOP + 1 - low_field
+    k_high = _OVERFLOW_FROM - 1 - high_field if peak is None else _top_exponent(peak)
     total = int(finite.sum())
     cumulative = np.cumsum(finite)
 
@@ -426,6 +436,8 @@ def loss_scale_advice(
         flush = int(cumulative[flush_top]) if flush_top >= 1 else 0
         overflow_from = max(1, _OVERFLOW_FROM - k)
         overflow = int(total - cumulative[overflow_from - 1]) if overflow_from <= 254 else 0
+        if k <= k_high:  # max |g| S <= 65504 (exact when the max is known)
+            overflow = 0
         return ScaleRow(exponent=k, scale=2.0**k, flush=flush / total, overflow=overflow / total)
 
     span = range(min(k_low, k_high) - 2, max(k_low, k_high) + 3)
@@ -463,3 +475,51 @@ def loss_scale_advice(
             "consider BF16"
         )
     return advice
+
+
+def _top_exponent(peak: float) -> int:
+    """The largest k with peak x 2^k <= 65504 (FP16's max), exactly: peak = m 2^e with m in
+    [0.5, 1), and 65504 = (65504 / 65536) 2^16.
+
+    >>> _top_exponent(12.0), _top_exponent(65504 / 4096), _top_exponent(16.0)
+    (12, 12, 11)
+    """
+    mantissa, exponent = math.frexp(peak)
+    return (16 if mantissa <= wire.FP16_MAX / 2.0**16 else 15) - exponent
+
+
+def _max_abs(
+    session: Session,
+    run_id: int,
+    rank: int,
+    steps: list[int],
+    histograms: Sequence[Row[int, int, int, bytes]],
+    high_field: int,
+) -> float | None:
+    """max |g| over the histograms read, from the stored max |g S| and the step's loss
+    scale S (none: 1), or None where a histogram reaching `high_field` has no finite max
+    (a layer with an Inf/NaN gradient, or no `max_abs_scaled` stored): the bins bound it."""
+    width = max((layer for _, layer, _, _ in histograms), default=-1) + 1
+    maxima = _read(session, run_id, rank, ["max_abs_scaled"], steps, width)
+    scales = dict(
+        session.execute(
+            select(Step.step, Step.loss_scale).where(Step.run_id == run_id, Step.step.in_(steps))
+        ).all()
+    )
+    peak = 0.0
+    for step, layer, first, blob in histograms:
+        fields = first + np.flatnonzero(np.frombuffer(blob, dtype="<i8"))
+        fields = fields[(fields > 0) & (fields < 255)]
+        top = int(fields[-1]) if fields.size else -1
+        vector = maxima.get(("max_abs_scaled", step))
+        value = math.nan if vector is None else float(vector[layer])
+        scale = scales.get(step)
+        value /= 1.0 if scale is None or not math.isfinite(scale) or scale <= 0 else scale
+        if not math.isfinite(value) or value <= 0:
+            if top >= high_field:
+                return None
+            continue
+        peak = max(peak, value)
+    if peak <= 0 or math.frexp(peak)[1] + wire.EXPONENT_BIAS - 1 != high_field:
+        return None  # the stored maxima disagree with the histograms: trust the bins
+    return peak

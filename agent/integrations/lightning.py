@@ -16,7 +16,9 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
   `training_step` returned over the step's micro-batches (k = 1 in manual optimization,
   where Lightning divides nothing).
 - Gradient clipping (`gradient_clip_val`) calls `torch.nn.utils.clip_grad_norm_`, looked up
-  at call time, so the agent stores the norm it returned, before clipping.
+  at call time, so the agent stores the norm it returned, before clipping;
+  `gradient_clip_algorithm="value"` calls `clip_grad_value_`, whose wrapper measures the
+  norm before and after the clip (`ampwatch.agent.clipping`).
 - `trainer.global_step` counts optimizer steps, skipped ones included, as the agent does;
   a resumed fit continues from it (`start_step`). With a scaler, a `training_step` that
   returns None makes the precision plugin skip `scaler.step` and `scaler.update()`, so

@@ -6,6 +6,7 @@ as numbers, the loop's own clip norm, autocast entered inside `forward`."""
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Callable
 from typing import Any
 
 import pytest
@@ -98,33 +99,32 @@ def test_log_loss_takes_numbers_and_wins_over_the_scaler(collector: FakeCollecto
     assert handle.counters["hook_errors"] == 0
 
 
-@pytest.mark.parametrize("with_scaler", [True, False])
-def test_the_grad_norm_is_the_one_the_loops_clip_returned(
-    with_scaler: bool, collector: FakeCollector
-) -> None:
-    """Read after clipping, a spike would be stored as the threshold. The norm after the
-    clip is stored besides it: the norm of the gradients torch's own clip left, below the
-    threshold (coefficient clamped at 1), above it, and on an overflowing step (an Inf
-    gradient: the clip multiplies by 0 and leaves NaN, which the scaler's step skips)."""
+def _clipping_loop(
+    collector: FakeCollector, with_scaler: bool, clip: Callable[[Any], Any], inf_last: bool
+) -> tuple[list[float], list[float], list[Any]]:
+    """Five steps of a watched loop (a x1e4 spike at the 3rd; with `inf_last` an Inf
+    gradient at the 5th, as an overflowing backward leaves it) clipped by `clip` after
+    `unscale_`: torch's own norm just before and just after each clip, and what it returned."""
     torch.manual_seed(0)
     model = nn.Linear(4, 2)
     optimizer = torch.optim.SGD(model.parameters(), lr=1e-3)
     scaler = torch.amp.GradScaler("cpu") if with_scaler else None
     handle = watch(model, optimizer, scaler, transport=collector, layer_stats_every=1)
-    returned, after = [], []
+    before, after, returned = [], [], []
     for step in range(5):
         loss = model(torch.randn(8, 4) * (1e4 if step == 2 else 1.0)).pow(2).mean()
         if scaler is not None:
             scaler.scale(loss).backward()
         else:
             loss.backward()
-        if step == 4:  # the last step: without a scaler its NaN update is applied
+        if inf_last and step == 4:  # the last step: without a scaler its NaN update is applied
             assert model.weight.grad is not None
-            model.weight.grad[0, 0] = float("inf")  # as an overflowing backward leaves it
+            model.weight.grad[0, 0] = float("inf")
         if scaler is not None:
             scaler.unscale_(optimizer)
-        returned.append(torch.nn.utils.clip_grad_norm_(model.parameters(), 4.0).item())
         grads = [p.grad for p in model.parameters() if p.grad is not None]
+        before.append(torch.nn.utils.get_total_norm(grads).item())
+        returned.append(clip(model.parameters()))
         after.append(torch.nn.utils.get_total_norm(grads).item())
         if scaler is not None:
             scaler.step(optimizer)
@@ -133,6 +133,21 @@ def test_the_grad_norm_is_the_one_the_loops_clip_returned(
             optimizer.step()
         optimizer.zero_grad()
     handle.detach()
+    return before, after, returned
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_the_grad_norm_is_the_one_the_loops_clip_returned(
+    with_scaler: bool, collector: FakeCollector
+) -> None:
+    """Read after clipping, a spike would be stored as the threshold. The norm after the
+    clip is stored besides it: the norm of the gradients torch's own clip left, below the
+    threshold (coefficient clamped at 1), above it, and on an overflowing step (an Inf
+    gradient: the clip multiplies by 0 and leaves NaN, which the scaler's step skips)."""
+    _, after, norms = _clipping_loop(
+        collector, with_scaler, lambda params: torch.nn.utils.clip_grad_norm_(params, 4.0), True
+    )
+    returned = [norm.item() for norm in norms]
     assert collector.column("grad_norm") == returned
     assert returned[2] > 1e3  # the spike is stored as it was, not as the threshold
     clipped = collector.column("grad_norm_clipped")
@@ -143,6 +158,21 @@ def test_the_grad_norm_is_the_one_the_loops_clip_returned(
     assert clipped[2] == pytest.approx(4.0, rel=1e-5)
     assert returned[4] == float("inf")
     assert collector.column("skipped") == [False] * 4 + [with_scaler]
+
+
+@pytest.mark.parametrize("with_scaler", [True, False])
+def test_clipping_by_value_stores_the_norm_before_the_clip(
+    with_scaler: bool, collector: FakeCollector
+) -> None:
+    """`clip_grad_value_` returns nothing, and the norm read after it was the clipped one
+    (a spike stored as ~ clip_value x sqrt(numel)). Truth: torch's own norm of the
+    gradients just before and just after the loop's clip."""
+    before, after, _ = _clipping_loop(
+        collector, with_scaler, lambda p: torch.nn.utils.clip_grad_value_(p, 0.5), False
+    )
+    assert collector.column("grad_norm") == before
+    assert collector.column("grad_norm_clipped") == after
+    assert before[2] > 1e3 > after[2]  # the spike as it was, not as the clip left it
 
 
 def test_autocast_entered_inside_forward_is_found(collector: FakeCollector) -> None:

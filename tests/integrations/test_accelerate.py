@@ -34,7 +34,11 @@ CASES = {
     "acc-fp16-unfused-acc4": ("fp16", False, 4, 75),
     "acc-bf16-fused-acc4": ("bf16", True, 4, 75),
     "acc-bf16-unfused-acc1": ("bf16", False, 1, 200),
+    # clipping by value (`accelerator.clip_grad_value_`): the stored norm is before it
+    "acc-fp16-unfused-acc4-value": ("fp16", False, 4, 50),
 }
+#: The value clip of the "-value" cases: below most gradient entries, so it clips.
+CLIP_VALUE = 0.01
 
 
 @pytest.fixture(autouse=True)
@@ -95,7 +99,16 @@ def test_accelerate_loop_is_stored_exactly(case: str, live_collector) -> None:
                     truth.zero_fraction[step] = {
                         n: (p.grad == 0).double().mean().item() for n, p in model.named_parameters()
                     }
-                truth.grad_norm.append(accelerator.clip_grad_norm_(model.parameters(), 0.5).item())
+                if case.endswith("-value"):
+                    # before unscaling: a power-of-two scale divides the norm exactly
+                    grads = [p.grad for p in model.parameters()]
+                    divide = 1.0 if scaler is None else scaler.get_scale()
+                    truth.grad_norm.append(torch.nn.utils.get_total_norm(grads).item() / divide)
+                    accelerator.clip_grad_value_(model.parameters(), CLIP_VALUE)
+                    truth.grad_norm_clipped.append(torch.nn.utils.get_total_norm(grads).item())
+                else:
+                    norm = accelerator.clip_grad_norm_(model.parameters(), 0.5)
+                    truth.grad_norm.append(norm.item())
                 state = inner.state.get(inner.param_groups[0]["params"][0], {})
                 counters.append(int(state["step"]) if "step" in state else 0)
             optimizer.step()
@@ -107,6 +120,9 @@ def test_accelerate_loop_is_stored_exactly(case: str, live_collector) -> None:
     assert len(truth.skipped) == steps
     if precision == "fp16":
         assert sum(truth.skipped) >= 2, "overflows were not forced"
+    if case.endswith("-value"):  # the clip changed the norm: a post-clip read would differ
+        finite = [i for i, n in enumerate(truth.grad_norm) if n < float("inf")]
+        assert all(truth.grad_norm_clipped[i] < 0.9 * truth.grad_norm[i] for i in finite)
     stored = stored_run(live_collector.url, case)
     assert_matches(stored, truth)
     findings = {e["data"]["code"] for e in stored["events"] if e["kind"] == "finding"}

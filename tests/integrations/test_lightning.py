@@ -103,6 +103,8 @@ CASES = {
     "fp16-scaler-fused-acc4": ("fp16", True, 4, 0.0, 75),
     "bf16-unfused-acc4-clip": ("bf16", False, 4, 0.5, 75),
     "bf16-fused-acc1": ("bf16", True, 1, 0.0, 200),
+    # gradient_clip_algorithm="value": the stored norm is the one before the clip
+    "fp16-scaler-unfused-acc1-clipvalue": ("fp16", False, 1, 0.01, 60),
 }
 
 
@@ -130,6 +132,7 @@ def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
         max_steps=steps,
         accumulate_grad_batches=accumulation,
         gradient_clip_val=clip or None,
+        gradient_clip_algorithm="value" if case.endswith("clipvalue") else "norm",
         callbacks=[callback],
         logger=False,
         enable_checkpointing=False,
@@ -150,6 +153,9 @@ def test_lightning_fit_is_stored_exactly(case: str, live_collector) -> None:
     else:
         assert not any(truth.skipped)
 
+    if case.endswith("clipvalue"):  # the clip changed the norm: a post-clip read would differ
+        finite = [i for i, n in enumerate(truth.grad_norm) if n < float("inf")]
+        assert all(truth.grad_norm_clipped[i] < 0.9 * truth.grad_norm[i] for i in finite)
     stored = stored_run(live_collector.url, case)
     assert stored["run"]["status"] == "ended"
     assert len(truth.grad_norm_clipped) == (steps if clip else 0)

@@ -107,6 +107,9 @@ def test_loss_scale_advice_is_the_exact_clean_range_of_the_histograms(
 
     low, high = _fields(sampled)
     k_low, k_high = 103 - low, 141 - high  # no bin below 2^-24, none reaching 2^16
+    peak = max(float(t.abs().max()) for t in sampled)
+    while peak * 2.0 ** (k_high + 1) <= wire.FP16_MAX:  # the top bin's max fits once more
+        k_high += 1
     assert advice["applies"] is True and advice["steps_read"] == 3
     assert advice["safe_range"] == [k_low, k_high]
     assert advice["init_scale"] == 2.0**k_high
@@ -117,3 +120,63 @@ def test_loss_scale_advice_is_the_exact_clean_range_of_the_histograms(
     assert rows[k_high + 1]["overflow"] > 0 and rows[k_high]["overflow"] == 0
     assert [r.status_code for r in bad] == [422, 422, 422, 404]
     assert empty["step"] is None and empty["layers"] == []
+
+
+class FixedGradient(nn.Module):
+    """One parameter whose gradient is exactly `values` (d/dw of w . values)."""
+
+    def __init__(self, values: list[float]) -> None:
+        super().__init__()
+        self.values = torch.tensor(values)
+        self.weight = nn.Parameter(torch.zeros(len(values)))
+
+    def forward(self) -> torch.Tensor:
+        return (self.weight * self.values).sum()
+
+
+def _next32(value: float, toward: float) -> float:
+    """The float32 next to `value` toward `toward`."""
+    return torch.nextafter(torch.tensor(value), torch.tensor(toward)).item()
+
+
+EDGE_CASES = {
+    # name: (gradient values, the true clean range: no |g S| < 2^-24, none > 65504)
+    "up-to-12": ([12.0, 1.0, 2.0**-31], (7, 12)),  # bins alone said [7, 11]
+    "top-exactly-65504": ([65504 / 2**12, 2.0**-10], (-14, 12)),
+    "top-just-above": ([_next32(65504 / 2**12, 99.0), 2.0**-10], (-14, 11)),
+    "top-16-low-just-below-a-bin": ([16.0, _next32(2.0**-10, 0.0)], (-13, 11)),
+}
+
+
+def test_loss_scale_advice_is_exact_at_the_bin_edges_on_both_ends(
+    sqlite_url: str, start_collector: Callable[..., AbstractContextManager[Any]]
+) -> None:
+    """Gradients set exactly at and next to the edges: 2^-24 / S (the flush edge, a bin
+    boundary) and 65504 / S (the overflow edge, inside a bin). Truth: the definitions,
+    checked here by brute force over k."""
+    with start_collector(sqlite_url, dashboard=False) as live:
+        for name, (values, _) in EDGE_CASES.items():
+            model = FixedGradient(values)
+            optimizer = torch.optim.SGD(model.parameters(), lr=0.0)
+            scaler = torch.amp.GradScaler("cpu", init_scale=2.0**4)
+            with watch(model, optimizer, scaler, transport=http_transport(live.url), run=name,
+                       layer_stats_every=1, flush_interval=0.05, fp8_stats_every=None):  # fmt: skip
+                scaler.scale(model()).backward()
+                assert model.weight.grad is not None
+                scaler.step(optimizer)
+                assert model.weight.grad.tolist() == values  # unscaled exactly
+                scaler.update()
+        with httpx.Client(base_url=f"{live.url}/api/v1", timeout=30) as http:
+            runs = {r["name"]: r["id"] for r in http.get("/runs").json()["runs"]}
+            advice = {n: http.get(f"/runs/{runs[n]}/loss-scale-advice").json() for n in EDGE_CASES}
+    for name, (values, expected) in EDGE_CASES.items():
+        clean = [
+            k for k in range(-40, 40)
+            if all(2.0**-24 <= abs(v) * 2.0**k <= wire.FP16_MAX for v in values)
+        ]  # fmt: skip
+        assert (clean[0], clean[-1]) == expected, name  # the cases say what they test
+        assert advice[name]["safe_range"] == list(expected), name
+        rows = {row["exponent"]: row for row in advice[name]["table"]}
+        low, high = expected
+        assert rows[low]["flush"] == 0 < rows[low - 1]["flush"], name
+        assert rows[high]["overflow"] == 0 < rows[high + 1]["overflow"], name
