@@ -193,7 +193,9 @@ class AttachedHandle(StepSampling):
                 check(params)
             self._before_clip(params)
 
-        def after(params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm: Any) -> None:
+        def after(
+            params: list[torch.Tensor], total: torch.Tensor, max_norm: Any, norm: Any
+        ) -> None:
             try:
                 clipped = None
                 if isinstance(max_norm, (int, float, torch.Tensor)):
