@@ -11,8 +11,8 @@ holding exactly what an install holds, running the commands that install must ru
 - The `[agent]` extra alone (torch, no fastapi/httpx/SQLAlchemy/pydantic): `ampwatch
   import`, `upload` and `follow` into a collector (before: `import httpx` failed).
 
-Each venv is made once per session and shared (pip's cache makes the second session
-fast); torch comes from whatever index pip is configured with.
+Each venv is made once per session and shared by the tests that need it; torch comes
+from whatever index pip is configured with.
 """
 
 from __future__ import annotations
@@ -38,6 +38,8 @@ DOCKERFILE = ROOT / "Dockerfile"
 COMPOSE = ROOT / "docker-compose.yml"
 LOG = ROOT / "tests" / "data" / "real_logs" / "tr8-104B-exp11-spike.log"
 ADMIN = "admin-token-for-the-image-test"
+#: Making a venv takes minutes on a loaded machine; each is made once per session.
+pytestmark = pytest.mark.timeout(1800)
 #: Modules an install must not hold, by extra set.
 SERVER_ONLY_LACKS = ["torch"]
 AGENT_ONLY_LACKS = ["fastapi", "httpx", "sqlalchemy", "pydantic", "uvicorn", "numpy"]
@@ -62,18 +64,26 @@ def _image_install() -> tuple[list[Path], str, str]:
 
 
 def _venv(folder: Path, *requirements: str) -> Path:
-    """A fresh venv at `folder` with `requirements` pip-installed; its bin folder."""
-    made = _run(sys.executable, "-m", "venv", str(folder))
+    """A fresh venv at `folder` with `requirements` pip-installed; its bin folder.
+
+    Installed by this interpreter's pip (`--python`), uncompiled: ensurepip and byte-compiling
+    plotly's and torch's thousands of modules were most of the time."""
+    made = _run(sys.executable, "-m", "venv", "--without-pip", str(folder))
     assert made.returncode == 0, made.stderr
     bin_dir = folder / "bin"
     for requirement in requirements:  # in order: torch before the extra that needs it
-        installed = _run(str(bin_dir / "python"), "-m", "pip", "install", "-q", requirement)
+        installed = _run(sys.executable, "-m", "pip", "--python", str(bin_dir / "python"),
+                         "install", "-q", "--no-compile", requirement)  # fmt: skip
         assert installed.returncode == 0, installed.stdout[-3000:] + installed.stderr[-3000:]
     return bin_dir
 
 
 def _lacks(bin_dir: Path, modules: list[str]) -> None:
-    probe = "import importlib.util as u, sys; sys.exit([m for m in sys.argv[1:] if u.find_spec(m)])"
+    probe = (
+        "import importlib.util as u, sys\n"
+        "found = [m for m in sys.argv[1:] if u.find_spec(m)]\n"
+        "sys.exit(f'{found}' if found else 0)"
+    )
     result = _run(str(bin_dir / "python"), "-c", probe, *modules)
     assert result.returncode == 0, f"installed although not in this extra set: {result.stderr}"
 
