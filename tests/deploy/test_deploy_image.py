@@ -259,7 +259,7 @@ def test_the_agent_extra_alone_imports_follows_and_uploads(
         assert "batches stored" in imported.stdout, imported.stdout
 
         offline = tmp_path / "offline.jsonl"
-        written = _run("ampwatch", "import", str(LOG), "--run", "offline", "--offline",
+        written = _run("ampwatch", "import", str(LOG), "--run", "offline", "--run-id", "offline-1", "--offline",
                        str(offline), env=env)  # fmt: skip
         assert written.returncode == 0 and offline.stat().st_size > 0, written.stderr
         uploaded = _run("ampwatch", "upload", str(offline), env=env)
