@@ -84,7 +84,9 @@ def validation_detail(errors: Sequence[Any]) -> list[dict[str, Any]]:
     no more than `clip` and `bounded_message` allow."""
     details = [
         {
-            "loc": [part if isinstance(part, int) else clip(str(part)) for part in error.get("loc", ())],
+            "loc": [
+                part if isinstance(part, int) else clip(str(part)) for part in error.get("loc", ())
+            ],
             "msg": bounded_message(str(error.get("msg", ""))),
             "type": clip(str(error.get("type", ""))),
         }

@@ -63,7 +63,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.state.engine = engine
     app.state.sessionmaker = sessions
     app.state.migration_head = migrate.head_revision()
-    app.state.ingest_counters = metrics.IngestCounters()
+    app.state.ingest_counters = metrics.IngestCounters(settings.metrics_dir)
     # Inside CountRejections: an ingest body refused for its size is counted.
     app.add_middleware(BodyLimit, max_bytes=settings.max_body_bytes)
     app.add_middleware(

@@ -9,8 +9,12 @@ from __future__ import annotations
 import json
 import os
 import socket
+import tempfile
 import threading
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
+from pathlib import Path
 from types import TracebackType
 from typing import TYPE_CHECKING, Any
 
@@ -19,6 +23,7 @@ from pydantic import SecretStr
 
 from ampwatch.server.connections import HeadDeadlineProtocol
 from ampwatch.server.main import create_app
+from ampwatch.server.metrics import COUNTER_FILE_SUFFIX
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.settings import Settings
 
@@ -85,7 +90,8 @@ def serve(settings: Settings) -> None:
 
     `settings.workers` > 1: uvicorn's multi-process mode, one socket shared by the worker
     processes, each building its app with `create_app()` from `AMPWATCH_*` (this process exports
-    `settings` there first); the supervisor replaces a worker that dies. Several
+    `settings` there first, with the folder where they keep their ingest counters); the
+    supervisor replaces a worker that dies. Several
     collectors on one database must not race migrations: deploy with a one-shot
     `ampwatch db upgrade`, then `ampwatch serve --no-migrate`.
     """
@@ -98,9 +104,35 @@ def serve(settings: Settings) -> None:
         return
     from uvicorn.supervisors import Multiprocess
 
-    os.environ.update(settings_environment(settings))
-    config = _config(APP_FACTORY, settings, factory=True, workers=workers)
-    Multiprocess(config, sockets=[sock]).run()
+    with _counter_folder(settings) as folder:
+        settings = settings.model_copy(update={"metrics_dir": folder})
+        os.environ.update(settings_environment(settings))
+        config = _config(
+            APP_FACTORY, settings, factory=True, workers=workers,
+            timeout_worker_healthcheck=WORKER_HEALTHCHECK_TIMEOUT,
+        )  # fmt: skip
+        Multiprocess(config, sockets=[sock]).run()
+
+
+#: Seconds the supervisor waits for a worker's answer to its health ping before killing
+#: it (uvicorn's default is 5). A worker answers once it has imported the app: on a loaded
+#: 2-core machine importing torch alone took longer, and no worker ever became ready.
+#: The CLI no longer imports torch (`server/cli`); this covers a slow machine still.
+WORKER_HEALTHCHECK_TIMEOUT = 30
+
+
+@contextmanager
+def _counter_folder(settings: Settings) -> Iterator[Path]:
+    """Where the workers keep their ingest counters (`metrics.IngestCounters`): the
+    configured folder, emptied of an earlier collector's counts, or a temporary one."""
+    if settings.metrics_dir is not None:
+        settings.metrics_dir.mkdir(parents=True, exist_ok=True)
+        for stale in settings.metrics_dir.glob(f"*{COUNTER_FILE_SUFFIX}"):
+            stale.unlink()
+        yield settings.metrics_dir
+        return
+    with tempfile.TemporaryDirectory(prefix="ampwatch-metrics-") as folder:
+        yield Path(folder)
 
 
 class BackgroundCollector:

@@ -133,6 +133,13 @@ class Settings(BaseSettings):
         description="Seconds an ended run keeps its per-run series on /metrics after its "
         "last data (running runs always have them).",
     )
+    metrics_dir: Path | None = Field(
+        default=None,
+        description="Folder in which each worker process of the collector keeps its ingest "
+        "counters (a small file per process), summed by whichever worker answers /metrics. "
+        "Unset: `ampwatch serve` with several workers makes a fresh one; one process counts "
+        "in memory.",
+    )
     metrics_max_runs: int = Field(
         default=2000,
         ge=0,

@@ -38,6 +38,12 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
         "--dir",
         help="where to store it (AMPWATCH_ASSETS_DIR, default <python prefix>/share/ampwatch)",
     )
+    fetch.add_argument(
+        "--optional",
+        action="store_true",
+        help="a failed download is a warning and exit status 0 (an image built offline); "
+        "any other failure is still an error",
+    )
     fetch.set_defaults(func=cmd_fetch_plotly)
 
 
@@ -90,6 +96,6 @@ def cmd_fetch_plotly(args: argparse.Namespace) -> int:
             "the full bundle instead",
             file=sys.stderr,
         )
-        return 1
+        return 0 if args.optional else 1
     print(f"plotly.js {plotly_bundle.VERSION} cartesian bundle: {path}")
     return 0

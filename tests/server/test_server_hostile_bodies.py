@@ -185,7 +185,9 @@ def test_every_route_answers_an_unauthenticated_body_before_reading_it(
             assert status == (200 if path in PROBES else 401), (method, path, chunked)
 
 
-def _string_paths(schema: dict[str, Any], spec: dict[str, Any], depth: int = 0) -> Iterator[list[str]]:
+def _string_paths(
+    schema: dict[str, Any], spec: dict[str, Any], depth: int = 0
+) -> Iterator[list[str]]:
     """Every property path of a JSON schema (through $ref, anyOf and nested objects)."""
     if "$ref" in schema:
         name = schema["$ref"].rsplit("/", 1)[1]

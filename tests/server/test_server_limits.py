@@ -38,6 +38,33 @@ def test_body_larger_than_the_limit_is_413_compressed_or_not(
         assert client.get("/api/v1/runs").json()["runs"] == []
 
 
+def test_every_route_bounds_its_body_declared_or_chunked(
+    sqlite_url: str, start_collector: Starter
+) -> None:
+    """`body_limit.BodyLimit`: not only ingest (before, `POST /api/v1/runs` read a body of
+    any size); a body sent without a length is cut off where it passes the limit."""
+    body = json.dumps({"client_run_id": "r", "name": "x" * 4096}).encode()
+
+    def chunked() -> Any:
+        yield from (body[i : i + 512] for i in range(0, len(body), 512))
+
+    with (
+        start_collector(sqlite_url, dashboard=False, max_body_bytes=2048) as live,
+        httpx.Client(base_url=live.url) as client,
+    ):
+        for method, path in (("POST", "/api/v1/runs"), ("PUT", "/api/v1/runs/1/alert-config"),
+                             ("POST", "/api/v1/webhooks"), ("POST", INGEST_PATH)):  # fmt: skip
+            for content in (body, chunked()):
+                answer = client.request(method, path, content=content,
+                                        headers={"Content-Type": "application/json"})  # fmt: skip
+                assert answer.status_code == 413, (method, path, answer.text)
+                assert "larger than 2048 bytes" in answer.json()["detail"]
+        assert client.post(
+            "/api/v1/runs", json={"client_run_id": "r", "name": "n"}
+        ).status_code in (200, 201)
+        assert [run["client_run_id"] for run in client.get("/api/v1/runs").json()["runs"]] == ["r"]
+
+
 def test_concurrent_batches_of_one_new_run_all_land(client: httpx.Client) -> None:
     """Writers race for the run row, the batch rows and new layer indices; none may fail."""
     n_batches = 8

@@ -5,6 +5,9 @@ from __future__ import annotations
 import asyncio
 import json
 import re
+import subprocess
+import sys
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +23,7 @@ SAMPLE = re.compile(r"^([a-z_]+)(?:\{(.*)\})? (\S+)$")
 
 
 def scrape(client: httpx.Client) -> dict[str, float]:
-    """`name{labels without pid}` -> value, checking the exposition format on the way."""
+    """`name{labels}` -> value, checking the exposition format on the way."""
     answer = client.get("/metrics")
     assert answer.status_code == 200
     assert answer.headers["content-type"].startswith("text/plain; version=0.0.4")
@@ -32,8 +35,7 @@ def scrape(client: httpx.Client) -> dict[str, float]:
         match = SAMPLE.match(line)
         assert match, line
         name, labels, value = match.groups()
-        kept = ",".join(p for p in (labels or "").split(",") if p and not p.startswith("pid="))
-        samples[f"{name}{{{kept}}}"] = float(value)
+        samples[f"{name}{{{labels or ''}}}"] = float(value)
     return samples
 
 
@@ -139,3 +141,27 @@ def test_readyz_and_the_api_are_503_when_the_database_is_unreachable() -> None:
     # The probe saw 500s where the database was busy: an API call is a 503 agents retry.
     assert (api.status_code, api.headers.get("Retry-After")) == (503, "1"), api.text
     assert "retry" in api.json()["detail"]
+
+
+def test_the_counts_of_every_process_in_the_counter_folder_are_summed(tmp_path: Path) -> None:
+    """Workers of one collector count in files of their own (`metrics.IngestCounters`);
+    any of them reads the sum, a worker that has exited included."""
+    from ampwatch.server.metrics import IngestCounters
+
+    count = (
+        "import sys; from pathlib import Path; from ampwatch.server.metrics import IngestCounters\n"
+        "counters = IngestCounters(Path(sys.argv[1]))\n"
+        "for status in map(int, sys.argv[2:]): counters.record_rejection(status)\n"
+    )
+    for statuses in (["401", "413"], ["401", "429", "500"]):
+        subprocess.run([sys.executable, "-c", count, str(tmp_path), *statuses], check=True,
+                       timeout=60)  # fmt: skip
+    here = IngestCounters(tmp_path)
+    here.record_rejection(422)
+    totals, rejected = here.totals()
+    assert totals == {"batches": 0, "duplicates": 0, "steps": 0, "layer_values": 0}
+    assert rejected == {"unauthenticated": 2, "too_large": 1, "429": 1, "invalid": 1}
+    assert len(list(tmp_path.iterdir())) == 3
+    alone = IngestCounters()
+    alone.record_rejection(401)
+    assert alone.totals()[1] == {"unauthenticated": 1}
