@@ -51,11 +51,12 @@ $(VENV)/.installed: pyproject.toml
 	-$(BIN)/ampwatch fetch-plotly
 	@touch $@
 
-# Lightning, transformers + accelerate, DeepSpeed, next to the torch above. DeepSpeed is an
+# Lightning, transformers + accelerate, megatron-core, DeepSpeed, next to the torch above.
+# DeepSpeed is an
 # sdist that imports torch to build: no build isolation (else pip's build env fetches another
 # torch) and no ops compiled (DS_BUILD_OPS=0); its range is the `deepspeed` extra's.
 $(VENV)/.frameworks: $(VENV)/.installed
-	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers]"
+	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers,megatron]"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$$($(BIN)/python -c \
 		"import sys; t = __import__('tomllib' if sys.version_info >= (3, 11) else 'tomli'); \
 		print(t.load(open('pyproject.toml', 'rb'))['project']['optional-dependencies']['deepspeed'][1])")"
