@@ -52,9 +52,9 @@ $(VENV)/.installed: pyproject.toml
 	@touch $@
 
 # Lightning, transformers + accelerate, megatron-core, DeepSpeed, next to the torch above.
-# DeepSpeed is an
-# sdist that imports torch to build: no build isolation (else pip's build env fetches another
-# torch) and no ops compiled (DS_BUILD_OPS=0); its range is the `deepspeed` extra's.
+# DeepSpeed is an sdist that imports torch to build: no build isolation (else pip's build env
+# fetches another torch) and no ops compiled (DS_BUILD_OPS=0); its range is the `deepspeed`
+# extra's.
 $(VENV)/.frameworks: $(VENV)/.installed
 	$(BIN)/python -m pip install -q -e ".[all,test,lightning,transformers,megatron]"
 	DS_BUILD_OPS=0 $(BIN)/python -m pip install -q --no-build-isolation "$$($(BIN)/python -c \
