@@ -42,7 +42,7 @@ def module_lines() -> list[tuple[str, str]]:
         if heading is not None:
             folder = heading
             continue
-        if line.startswith("## ") or line.startswith("**"):
+        if line.startswith(("## ", "**")):
             folder = None
         if folder is None or not line.startswith("- "):
             continue
@@ -86,9 +86,10 @@ def named_symbols() -> list[str]:
         last = text.rsplit(".", 1)[-1]
         if last.startswith("AMPWATCH_"):  # an environment variable, not a symbol
             continue
-        if re.fullmatch(r"[A-Z][A-Z0-9_]{2,}", last) or re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", last):
-            symbols.append(last)
-        elif "." in text and text.split(".", 1)[0] in {"deps", "wire", "alerts", "rollups"}:
+        constant = re.fullmatch(r"[A-Z][A-Z0-9_]{2,}", last)
+        camel = re.fullmatch(r"[A-Z][a-z]+[A-Z]\w*", last)
+        qualified = "." in text and text.split(".", 1)[0] in {"deps", "wire", "alerts", "rollups"}
+        if constant or camel or qualified:
             symbols.append(last)
     return symbols
 
