@@ -43,6 +43,7 @@ variants, and the three strings for vectorised code).
 
 from __future__ import annotations
 
+import json
 import math
 from typing import Any, Final, Literal, TypedDict
 
@@ -321,6 +322,22 @@ def encode_nested(value: Any) -> Any:
         return encode_float(value)
     if isinstance(value, dict):
         return {key: encode_nested(item) for key, item in value.items()}
-    if isinstance(value, list):
+    if isinstance(value, (list, tuple)):
         return [encode_nested(item) for item in value]
     return value
+
+
+def dumps(value: Any) -> str:
+    """`value` as strict JSON, every non-finite float in the wire's spelling at any depth:
+    how the collector writes every JSON column (alert values and state, event data, rule
+    settings), so that one spelling holds on every backend -- PostgreSQL's json refuses
+    the bare NaN/Infinity that `json.dumps` writes by default, which SQLite kept.
+    Fast when every float is finite (the common case): one C-level pass.
+
+    >>> dumps({"ratio": float("inf"), "step": 3})
+    '{"ratio": "Infinity", "step": 3}'
+    """
+    try:
+        return json.dumps(value, allow_nan=False)
+    except ValueError:  # a non-finite float somewhere
+        return json.dumps(encode_nested(value), allow_nan=False)

@@ -8,6 +8,9 @@ handling is replaced by explicit BEGINs (SQLAlchemy's documented recipe) so that
 transaction can start as `BEGIN IMMEDIATE`: a deferred transaction that reads before it
 writes fails at once with "database is locked" when another writer got there first, while
 an immediate one waits out `busy_timeout`.
+
+Every JSON column is written with `wire.dumps` (both backends): NaN and +-Inf in the wire's
+spelling, never the bare tokens PostgreSQL's json refuses.
 """
 
 from __future__ import annotations
@@ -19,6 +22,8 @@ from typing import Any
 from sqlalchemy import Connection, Engine, Table, create_engine, event
 from sqlalchemy.engine import make_url
 from sqlalchemy.orm import DeclarativeBase, Session, sessionmaker
+
+from ampwatch.agent.wire import dumps
 
 #: Execution option that makes the next transaction on an SQLite connection a writer.
 SQLITE_IMMEDIATE = "ampwatch_sqlite_immediate"
@@ -33,6 +38,8 @@ def make_engine(database_url: str, **kwargs: Any) -> Engine:
     'sqlite'
     """
     url = make_url(database_url)
+    # Every JSON column in the wire's encoding of NaN/+-Inf (`wire.dumps`), on both backends.
+    kwargs.setdefault("json_serializer", dumps)
     if url.get_backend_name() != "sqlite":
         return create_engine(url, pool_pre_ping=True, **kwargs)
     if url.database and url.database != ":memory:" and not url.database.startswith("file:"):

@@ -109,6 +109,31 @@ def sqlite_float(value: WireFloat | None) -> float | str | None:
     return value
 
 
+class SafeString(TypeDecorator[str]):
+    """Text from outside (names, a run's end reason, alert messages quoting a finding, a
+    delivery error) stored alike on both backends: a NUL character, which PostgreSQL's
+    text refuses (a NUL in a run_end reason answered 500 there, and the agent retried the
+    batch forever) while SQLite kept it, is stored as U+FFFD on both. Identifiers never
+    get here with one (the wire's `Name` refuses it with a 422); free text is kept, marked.
+
+    >>> SafeString().process_bind_param("disk\x00full", None)
+    'disk\ufffdfull'
+    """
+
+    impl = String
+    cache_ok = True
+
+    def process_bind_param(self, value: str | None, dialect: Dialect | None) -> str | None:
+        return value.replace("\x00", "\ufffd") if value and "\x00" in value else value
+
+
+class SafeText(SafeString):
+    """`SafeString` without a length."""
+
+    impl = Text
+    cache_ok = True
+
+
 class UTCDateTime(TypeDecorator[datetime]):
     """A timestamp that is always timezone-aware UTC in Python, on every backend.
 
@@ -147,7 +172,7 @@ class Project(Base):
     __tablename__ = "projects"
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), unique=True)
+    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
 
 
@@ -172,7 +197,7 @@ class Token(Base):
     )
     prefix: Mapped[str] = mapped_column(String(16), unique=True)
     secret_hash: Mapped[str] = mapped_column(String(64))
-    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     revoked_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     scope: Mapped[TokenScope] = mapped_column(String(16), default="write", server_default="write")
@@ -195,16 +220,16 @@ class Run(Base):
     )
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
-    client_run_id: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
-    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+    client_run_id: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
+    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
     project: Mapped[str] = mapped_column(
-        String(MAX_NAME_LENGTH), ForeignKey("projects.name"), index=True
+        SafeString(MAX_NAME_LENGTH), ForeignKey("projects.name"), index=True
     )
     status: Mapped[RunStatus] = mapped_column(String(16), default="running")
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     last_seen_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     ended_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
-    end_reason: Mapped[str | None] = mapped_column(String(MAX_NAME_LENGTH))
+    end_reason: Mapped[str | None] = mapped_column(SafeString(MAX_NAME_LENGTH))
     # Records the agent dropped rather than block training (wire `dropped`), summed over
     # the run's batches: the dashboard must say when what it shows is incomplete.
     dropped_steps: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
@@ -362,7 +387,7 @@ class Layer(Base):
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
 
 
 class Module(Base):
@@ -375,7 +400,7 @@ class Module(Base):
 
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH))
+    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
 
 
 class LayerStat(Base):
@@ -481,7 +506,7 @@ class Alert(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"))
     rule: Mapped[str] = mapped_column(String(64))
-    layer: Mapped[str] = mapped_column(String(MAX_NAME_LENGTH), default="")
+    layer: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH), default="")
     severity: Mapped[Severity] = mapped_column(String(16))
     status: Mapped[AlertStatus] = mapped_column(String(16))
     #: The step at which the condition first held (the alert's onset), when its `for`
@@ -493,7 +518,7 @@ class Alert(Base):
     fired_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     resolved_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
     #: Why it fired, in words with the values and steps; `values` has them as numbers.
-    message: Mapped[str] = mapped_column(Text, default="")
+    message: Mapped[str] = mapped_column(SafeText, default="")
     values: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
@@ -522,7 +547,7 @@ class AlertConfig(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project: Mapped[str | None] = mapped_column(
-        String(MAX_NAME_LENGTH),
+        SafeString(MAX_NAME_LENGTH),
         ForeignKey("projects.name", ondelete="CASCADE"),
         unique=True,
     )
@@ -548,9 +573,9 @@ class Webhook(Base):
 
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     project: Mapped[str | None] = mapped_column(
-        String(MAX_NAME_LENGTH), ForeignKey("projects.name", ondelete="CASCADE"), index=True
+        SafeString(MAX_NAME_LENGTH), ForeignKey("projects.name", ondelete="CASCADE"), index=True
     )
-    url: Mapped[str] = mapped_column(String(2048))
+    url: Mapped[str] = mapped_column(SafeString(2048))
     format: Mapped[WebhookFormat] = mapped_column(String(16))
     min_severity: Mapped[Severity] = mapped_column(String(16), default="warning")
     enabled: Mapped[bool] = mapped_column(Boolean, default=True)
@@ -582,7 +607,7 @@ class Notification(Base):
     status: Mapped[NotificationStatus] = mapped_column(String(16), default="pending")
     attempts: Mapped[int] = mapped_column(Integer, default=0)
     next_attempt_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-    last_error: Mapped[str | None] = mapped_column(Text)
+    last_error: Mapped[str | None] = mapped_column(SafeText)
     response_status: Mapped[int | None] = mapped_column(Integer)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     delivered_at: Mapped[datetime | None] = mapped_column(UTCDateTime)

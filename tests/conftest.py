@@ -12,11 +12,15 @@
 - `start_collector`: the context manager behind them, for other databases or options:
   `with start_collector(db_url, dashboard=False) as live: ...`.
 - `spool_root` (autouse): `AMPWATCH_SPOOL_DIR` inside the test's tmp_path.
+- `no_engine_failures` (autouse): fails any test whose collector (in this process: live
+  collectors serve in a thread, feeds call ingest directly) logged an alert-engine error,
+  unless marked `engine_failures_expected`.
 """
 
 from __future__ import annotations
 
 import importlib.util
+import logging
 import os
 import uuid
 from collections.abc import Callable, Iterator
@@ -58,6 +62,29 @@ def spool_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
     root = tmp_path / "spool"
     monkeypatch.setenv("AMPWATCH_SPOOL_DIR", str(root))
     return root
+
+
+class _Errors(logging.Handler):
+    def __init__(self) -> None:
+        super().__init__(logging.ERROR)
+        self.lines: list[str] = []
+
+    def emit(self, record: logging.LogRecord) -> None:
+        self.lines.append(record.getMessage())
+
+
+@pytest.fixture(autouse=True)
+def no_engine_failures(request: pytest.FixtureRequest) -> Iterator[None]:
+    """0 "alert evaluation ... failed" (or any other alert-engine error) lines in any test's
+    collector log: PostgreSQL once refused an alert's Infinity, the engine logged it and
+    undid the batch's alerts, and every test still passed."""
+    errors = _Errors()
+    engine = logging.getLogger("ampwatch.server.alerts")
+    engine.addHandler(errors)
+    yield
+    engine.removeHandler(errors)
+    if errors.lines and request.node.get_closest_marker("engine_failures_expected") is None:
+        pytest.fail(f"the alert engine logged {len(errors.lines)} errors: {errors.lines[:3]}")
 
 
 @pytest.fixture

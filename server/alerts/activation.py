@@ -19,7 +19,7 @@ from typing import Any
 from ampwatch.agent.wire import WireFloat, decode_float
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
-from ampwatch.server.alerts.numbers import fmt
+from ampwatch.server.alerts.numbers import fmt, times
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.baselines import Baseline
 from ampwatch.server.models import Severity
@@ -85,6 +85,9 @@ def activation_spike(
     if baseline is None or d.calibrating or not math.isfinite(value):
         return None
     median, mad, _ = baseline
+    if median <= 0 and mad == 0:  # no test says anything: any value is "x times 0"
+        tracker.clear("activation_norm_spike", s)
+        return None  # and no value would fire: no threshold to draw
     threshold = firing_threshold(median, mad, rule)
     spiking = value >= rule.min_ratio * median and (
         mad == 0 or (value - median) / mad > rule.z_threshold
@@ -99,10 +102,10 @@ def activation_spike(
     scale, last_fall = d.scale, d.last_fall
 
     def detail() -> tuple[str, dict[str, Any]]:
+        above = times(value, median) if median > 0 else f"{fmt(value - median)} above"
         message = (
-            f"final-layer activation norm {fmt(value)} at step {s} is "
-            f"{value / median if median > 0 else math.inf:.1f}x its rolling median "
-            f"{fmt(median)}" + (f" (robust z {z:.0f})" if z is not None else "")
+            f"final-layer activation norm {fmt(value)} at step {s} is {above} its rolling "
+            f"median {fmt(median)}" + (f" (robust z {z:.0f})" if z is not None else "")
         )
         if falling:
             message += (f" while the loss scale is falling (to {fmt(scale)} at step "
@@ -126,7 +129,7 @@ def _escalated(d: StepState) -> Detail:
     def detail() -> tuple[str, dict[str, Any]]:
         return (
             (
-                f"final-layer activation norm spiked to {value} at step {spike} and the loss "
+                f"final-layer activation norm spiked to {fmt(value)} at step {spike} and the loss "
                 f"scale fell to {fmt(scale)} at step {fall}: the OPT-175B divergence signature"
             ),
             {"act_norm": value, "step": spike, "loss_scale": scale, "scale_fall_step": fall},

@@ -32,8 +32,9 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Callable
 from datetime import datetime
-from typing import Any
+from typing import Any, TypeVar
 
 from sqlalchemy import select
 from sqlalchemy.orm import Session
@@ -61,6 +62,7 @@ from ampwatch.server.models import AlertState, Run
 from ampwatch.server.schemas.wire import BatchIn, StepIn
 
 logger = logging.getLogger(__name__)
+T = TypeVar("T")
 
 STEPS_KEY = "steps"
 LAYERS_KEY = "layers"
@@ -115,8 +117,9 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judg
     # step and before later ones, so every rule sees the state as of its own step and the
     # alerts do not depend on how the agent cut its batches.
     samples = LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
-    judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples)
-    samples.judge_until(None)
+    guard = RuleGuard(run.id)
+    judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard)
+    guard("layer rules", None, samples.judge_until, None)
     tracker.finish(steps_state.last_step)
 
     _save(session, rows, run.id, STEPS_KEY, steps_state.to_json(), now)
@@ -186,6 +189,30 @@ def _apply_events(
     return restarted
 
 
+class RuleGuard:
+    """Runs one rule's judgement of one step; a rule that raises is logged and judges no
+    more of this batch, while the other rules, the state and every other alert of the
+    batch are kept (a failure once undid the whole batch's evaluation). Its own state may
+    be half-moved: the rule resumes from it with the next batch."""
+
+    def __init__(self, run_id: int) -> None:
+        self.run_id = run_id
+        self.failed: set[str] = set()
+
+    def __call__(
+        self, rule: str, step: int | None, judge: Callable[..., T], *args: Any
+    ) -> T | None:
+        if rule in self.failed:
+            return None
+        try:
+            return judge(*args)
+        except Exception:
+            self.failed.add(rule)
+            logger.exception("alert rule %s of run %s failed at step %s; the batch's other "
+                             "rules go on", rule, self.run_id, step)  # fmt: skip
+            return None
+
+
 def _primary_steps(state: StepState, records: list[StepIn]) -> list[StepIn]:
     """The followed rank's new records, last record of a step winning, in step order."""
     if not records:
@@ -207,6 +234,7 @@ def _evaluate_steps(
     records: list[StepIn],
     settings: dict[str, rules.RuleSettings],
     samples: LayerSamples | None = None,
+    guard: RuleGuard | None = None,
 ) -> Judged:
     """Run the scalar rules over the batch's steps, step by step; before each step, the
     layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
@@ -236,10 +264,11 @@ def _evaluate_steps(
         learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
         norm_baselines = spikes.baselines(recent.grad_norms, learned_norms, norm_rule)
     judged: Judged = []
+    guard = guard or RuleGuard(tracker.run.id)
     for i, record in enumerate(steps):
         s = record.step
         if samples is not None:
-            samples.judge_until(s)
+            guard("layer rules", s, samples.judge_until, s)
         scale = finite(record.loss_scale)
         loss = losses[i]
         skipped = record.skipped
@@ -276,7 +305,8 @@ def _evaluate_steps(
             previous = d.scale
             if previous is not None and scale < previous:
                 d.last_fall = s
-                octaves = math.log2(previous / scale) if scale > 0 else 128.0
+                # Differences of logs: a quotient of two doubles can overflow to Inf.
+                octaves = math.log2(previous) - math.log2(scale) if scale > 0 else 128.0
                 d.falls.append([s, octaves])
             falls = d.falls
             while falls and falls[0][0] < s - spike.scale_fall_window:
@@ -298,18 +328,19 @@ def _evaluate_steps(
         else:
             d.skip_run = 0
 
-        scale_floor_stall(tracker, d, s, scale, skipped, stall)
+        guard("scale_floor_stall", s, scale_floor_stall, tracker, d, s, scale, skipped, stall)
         if collapse.enabled:
-            loss_scale_collapse(tracker, d, s, scale, collapse)
+            guard("loss_scale_collapse", s, loss_scale_collapse, tracker, d, s, scale, collapse)
         if skip_rate.enabled and not d.calibrating:
-            judge_skip_rate(tracker, d, s, skipped, skip_rate)
+            guard("skip_rate", s, judge_skip_rate, tracker, d, s, skipped, skip_rate)
         if burst.enabled and not d.calibrating:
-            spikes.overflow_burst(tracker, recent, s, scale, burst)
+            guard("overflow_burst", s, spikes.overflow_burst, tracker, recent, s, scale, burst)
         if loss_rule.enabled and not d.calibrating and (value := learned_losses[i]) is not None:
-            spikes.judge(tracker, "loss_spike", "loss", s, value, loss_baselines[i], loss_rule)
+            guard("loss_spike", s, spikes.judge, tracker, "loss_spike", "loss", s, value,
+                  loss_baselines[i], loss_rule)  # fmt: skip
         if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
-            spikes.judge(tracker, "grad_norm_spike", "global grad norm", s, norm,
-                         norm_baselines[i], norm_rule)  # fmt: skip
+            guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
+                  "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
                 d.nan_since = d.nan_since if d.nan_since is not None else s
@@ -319,7 +350,8 @@ def _evaluate_steps(
                 d.nan_since = None
                 tracker.clear("nan_loss", s)
         if spike.enabled and (act := values[i]) is not None:
-            judgement = activation_spike(tracker, d, s, act, baselines[i], spike)
+            judgement = guard("activation_norm_spike", s, activation_spike, tracker, d, s, act,
+                              baselines[i], spike)  # fmt: skip
             if judgement is not None:
                 judged.append((record.rank, s, *judgement))
         d.last_step = s

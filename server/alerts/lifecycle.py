@@ -29,6 +29,7 @@ the run's step state (`groups`: rule -> {lead alert id, layers}).
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable
 from dataclasses import dataclass
 from datetime import datetime
@@ -37,6 +38,7 @@ from typing import Any
 from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
+from ampwatch.agent.wire import dumps
 from ampwatch.server import outbox
 from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER, RuleSettings
 from ampwatch.server.models import Alert, Run, Severity
@@ -44,6 +46,8 @@ from ampwatch.server.models import Alert, Run, Severity
 #: A deferred (message, values) for an alert: built only when it is written.
 Detail = Callable[[], tuple[str, dict[str, Any]]]
 Key = tuple[str, str]
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(eq=False)
@@ -355,8 +359,17 @@ class Tracker:
     def _rendered(
         self, key: Key, alert: Alert | OpenRow, detail: Detail
     ) -> tuple[str, dict[str, Any]]:
-        """The alert's message and values, with its group's (see the module docstring)."""
-        message, values = detail()
+        """The alert's message and values, with its group's (see the module docstring).
+        Rendered and checked here, alert by alert, as strict JSON in the wire's encoding:
+        a detail that fails costs its own alert its words, logged, never the batch's other
+        alerts (a value the database refused at the flush once undid them all)."""
+        try:
+            message, values = detail()
+            dumps(values)
+        except Exception:
+            logger.exception("alert %s|%s of run %s: its message could not be rendered",
+                             key[0], key[1], self.run.id)  # fmt: skip
+            message, values = f"{key[0]}: its details could not be rendered (logged)", {}
         group = self.groups.get(key[0])
         if group is not None and group["layers"] > 1 and group["lead"] == alert.id:
             message = _group_message(message, group["layers"])

@@ -1,5 +1,5 @@
 """Numbers as the alert engine reads and writes them: a wire float made finite-or-None, a
-value for a message, a ratio in octaves."""
+value for a message, a ratio in octaves, a multiple of a positive median."""
 
 from __future__ import annotations
 
@@ -26,3 +26,27 @@ def octaves(ratio: float) -> str:
         return "0"
     exponent = math.log2(ratio)
     return f"2^{exponent:.0f}" if abs(exponent - round(exponent)) < 1e-9 else f"2^{exponent:.1f}"
+
+
+def ratio(value: float, median: float) -> float | None:
+    """`value` / `median` when the median is positive (a multiple of a typical magnitude);
+    None otherwise: "x times 0" is no measure of anything (a zero grad-norm median made
+    a norm of 0 "infx its median"). A quotient of two finite doubles can still overflow
+    (1e300 over 1e-300): it is then +Inf, stored in the wire's spelling.
+
+    >>> ratio(6.0, 2.0), ratio(1.0, 0.0)
+    (3.0, None)
+    """
+    return value / median if median > 0 else None
+
+
+def times(value: float, median: float) -> str:
+    """`value` against a positive `median` in words: '3.0x', or '2^997x' past a double.
+
+    >>> times(6.0, 2.0), times(1e300, 1e-300)
+    ('3.0x', '2^1993x')
+    """
+    quotient = value / median
+    if math.isfinite(quotient):
+        return f"{quotient:.1f}x"
+    return f"2^{math.log2(value) - math.log2(median):.0f}x"

@@ -110,7 +110,7 @@ def loss_scale_collapse(
                     peak_step=peak_step,
                     fall_start_step=fall_start,
                     scale_before_fall=before,
-                    fall_octaves=math.log2(peak / scale) if scale > 0 else None,
+                    fall_octaves=math.log2(peak) - math.log2(scale) if scale > 0 else None,
                 )
         if d.skip_run >= rule.max_consecutive_skips and d.skip_run_start is not None:
             onsets.append(d.skip_run_start)
@@ -232,10 +232,10 @@ def nan_detail(s: int, loss: float, since: int) -> Any:
     def detail() -> tuple[str, dict[str, Any]]:
         return (
             (
-                f"loss is {loss} at step {s} (non-finite since step {since}): divergence, not a "
-                "gradient-only overflow"
+                f"loss is {wire.encode_float(loss)} at step {s} (non-finite since step "
+                f"{since}): divergence, not a gradient-only overflow"
             ),
-            {"loss": str(loss), "step": s, "non_finite_since_step": since},
+            {"loss": loss, "step": s, "non_finite_since_step": since},
         )
 
     return detail

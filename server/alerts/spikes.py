@@ -28,6 +28,7 @@ from typing import Any
 
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
+from ampwatch.server.alerts.numbers import ratio, times
 from ampwatch.server.baselines import Baseline, rolling_baselines
 
 
@@ -82,7 +83,7 @@ class RecentState:
         peak = max(scales, default=scale)
         if scale <= 0:
             return 128.0
-        return max(0.0, math.log2(peak / scale))
+        return max(0.0, math.log2(peak) - math.log2(scale))  # a quotient could overflow
 
 
 def still_falling(
@@ -113,8 +114,8 @@ class Spike:
     samples: int
 
     @property
-    def ratio(self) -> float:
-        return self.value / self.median if self.median > 0 else math.inf
+    def ratio(self) -> float | None:
+        return ratio(self.value, self.median)
 
     @property
     def z(self) -> float | None:
@@ -130,13 +131,24 @@ def judge_spike(
     z_threshold: float,
     z_min_samples: int,
 ) -> tuple[bool | None, Spike | None]:
-    """(spiking, the judgement); (None, None) while the baseline is too short (None)."""
+    """(spiking, the judgement); (None, None) while the baseline is too short (None).
+
+    Every test that says something must pass, and at least one must say something: a
+    multiple of the median says nothing when the median is not positive (any value is
+    "x times 0"; a grad norm of 0 at a zero median fired as "infx" its median), so at
+    such a median a spike needs `min_increase` > 0 or the robust z to speak.
+    """
     if baseline is None:
         return None, None
     median, mad, samples = baseline
     spike = Spike(value, median, mad, samples)
-    spiking = value >= min_ratio * median and value - median >= min_increase
-    if spiking and samples >= z_min_samples and mad > 0:
+    with_z = samples >= z_min_samples and mad > 0
+    spiking = (
+        value >= min_ratio * median
+        and value - median >= min_increase
+        and (median > 0 or min_increase > 0 or with_z)
+    )
+    if spiking and with_z:
         spiking = (value - median) / mad >= z_threshold
     return spiking, spike
 
@@ -179,7 +191,9 @@ def _fmt(value: float) -> str:
 def _detail(what: str, s: int, spike: Spike) -> Detail:
     def detail() -> tuple[str, dict[str, Any]]:
         z = spike.z
-        message = (f"{what} {_fmt(spike.value)} at step {s} is {spike.ratio:.1f}x its rolling "
+        above = (times(spike.value, spike.median) if spike.median > 0
+                 else f"{_fmt(spike.value - spike.median)} above")  # fmt: skip
+        message = (f"{what} {_fmt(spike.value)} at step {s} is {above} its rolling "
                    f"median {_fmt(spike.median)} over {spike.samples} values"
                    + (f" (robust z {z:.0f})" if z is not None else ""))  # fmt: skip
         return message, {"value": spike.value, "baseline_median": spike.median,

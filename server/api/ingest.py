@@ -8,7 +8,6 @@ wrong: 400 bad gzip, 413 too large, 415 unknown encoding, 422 invalid batch.
 
 from __future__ import annotations
 
-import json
 import zlib
 from typing import Annotated, Any
 
@@ -67,24 +66,22 @@ BodyDep = Annotated[bytes, Depends(read_body)]
 
 
 def parse_json(body: bytes) -> Any:
-    """The body as Python objects: orjson, or the standard library for NaN/Infinity literals.
-
-    orjson parses several times faster than the standard library (and than pydantic's
-    JSON mode, which walks a union per value), but rejects the bare NaN/Infinity that
-    Python's `json.dumps` writes; such bodies, never sent by the agent, take the slow path.
+    """The body as Python objects, parsed as strict JSON by orjson: a bare NaN, Infinity
+    or 1e999 (a number past a double) is a 422, as on every other route, because the wire
+    has its own spelling of the non-finite floats (`wire.NON_FINITE`), which the agent
+    always writes; a batch with a bare literal is no agent's, and storing 1e999 as +Inf
+    would answer a typo with a measurement. Nesting deeper than orjson's 1,024 is a 422 too.
     Integers beyond 64 bits (only possible in an event's free-form `data`) are read as
-    floats, as orjson and the dashboard's JavaScript both read them.
+    floats, as the dashboard's JavaScript reads them.
     """
     try:
         return orjson.loads(body)
-    except orjson.JSONDecodeError:
-        pass
-    try:
-        return json.loads(body)
-    except ValueError as error:  # JSONDecodeError, UnicodeDecodeError
-        raise HTTPException(status_code=422, detail=f"Invalid JSON: {error}") from None
-    except RecursionError:  # `[[[[...` deeper than any wire batch: no batch at all
-        raise HTTPException(status_code=422, detail="Invalid JSON: nested too deeply") from None
+    except orjson.JSONDecodeError as error:  # its message names a position, never the text
+        raise HTTPException(
+            status_code=422,
+            detail=f"Invalid JSON: {error} (strict JSON: a non-finite float is written as "
+            '"NaN", "Infinity", "-Infinity")',
+        ) from None
 
 
 class IngestError(BaseModel):

@@ -43,15 +43,18 @@ MAX_BIGINT = 2**63 - 1
 MAX_INT = 2**31 - 1
 #: Event times are Unix seconds; this bound (year 9999) keeps them convertible to datetime.
 MAX_EVENT_TIME = 253_402_300_799.0
-#: Most records (steps + layer_stats + events) in one batch (the agent seals at 2,000; the
-#: body limit allows ~200k steps), and
-#: most layer values (names x statistics, over its layer_stats): a batch is one
-#: transaction, and on SQLite one writer at a time: a batch of 1M new layer names held the
-#: write lock for 39 s (1.66 GB peak), and another tenant's batch failed meanwhile.
-MAX_BATCH_RECORDS = 50_000
-MAX_BATCH_LAYER_VALUES = 2_000_000
-#: Most distinct layer (and module) names in one batch: new names are the costly part.
-MAX_BATCH_LAYER_NAMES = 65_536
+#: Most records (steps + layer_stats + events), layer values (names x statistics, over its
+#: layer_stats) and distinct layer (and module) names in one batch. A batch is one
+#: transaction, and on SQLite one writer at a time, so these bound how long one tenant's
+#: batch keeps another's waiting (`bench/ingest_lock.py`, on a loaded 2-core machine):
+#: at 65,536 new names, 1.8 M values and 50,000 records it held the lock for 41-53 s and
+#: the other tenant got 503s. What a batch costs inside the lock, there: ~0.2 ms a step
+#: record (the rules judge each), ~60 us a new name, ~4 us a layer value. The records
+#: bound is twice the agent's seal (2,000); the values bound 1,000 layers x 4 statistics x
+#: 100 samples with room; the names bound a large MoE's parameter tensors.
+MAX_BATCH_RECORDS = 4_000
+MAX_BATCH_LAYER_VALUES = 500_000
+MAX_BATCH_LAYER_NAMES = 16_384
 #: Deepest nesting of an event's free-form `data`: 300 levels were stored, and then every
 #: read that renders events or alerts answered 500 (the serialiser's recursion limit).
 MAX_DATA_DEPTH = 16

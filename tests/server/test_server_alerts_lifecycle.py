@@ -3,6 +3,7 @@ late and retried batches, several ranks, per-run settings, and the `no_data` swe
 
 from __future__ import annotations
 
+import math
 from datetime import timedelta
 from typing import Any
 
@@ -202,6 +203,7 @@ def test_concurrent_sweeps_fire_one_alert(feed: Feed) -> None:
     assert [(a.rule, a.status) for a in feed.alerts()] == [("no_data", "firing")]
 
 
+@pytest.mark.engine_failures_expected
 def test_a_failing_evaluation_never_loses_the_batch(
     feed: Feed, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
 ) -> None:
@@ -328,3 +330,32 @@ def test_a_storm_batch_without_transitions_rewrites_no_alert(feed: Feed) -> None
     written = ("UPDATE ALERTS", "INSERT INTO ALERTS", "DELETE FROM ALERTS")
     assert [s for s in statements if s.lstrip().upper().startswith(written)] == []
     assert len(feed.alerts(status="firing")) == 300
+
+
+@pytest.mark.engine_failures_expected
+def test_one_failing_rule_or_alert_costs_only_itself(
+    feed: Feed, monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A rule that raises judges no more of its batch, an alert whose values cannot be
+    stored keeps its place without them: the batch's other alerts and state are kept
+    (one savepoint around all the rules once undid every alert of the batch)."""
+    feed.send(healthy(1, 100))
+
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("a bug in a rule")
+
+    def unstorable(s: int, loss: float, since: int) -> Any:
+        return lambda: (f"loss {loss} at {s}", {"loss": object()})
+
+    monkeypatch.setattr(evaluate.spikes, "judge", broken)
+    monkeypatch.setattr(evaluate, "nan_detail", unstorable)
+    steps = healthy(101, 5, scale=0.5)
+    steps[2] = step_record(103, loss=math.nan, loss_scale=0.5, act_norm_mean=10.0)
+    feed.send(steps)
+    assert "alert rule loss_spike of run" in caplog.text
+    assert "nan_loss| of run" in caplog.text
+    alerts = {a.rule: a for a in feed.alerts()}
+    assert sorted(alerts) == ["loss_scale_collapse", "nan_loss"]
+    assert "loss scale 0.5 is below min_scale" in alerts["loss_scale_collapse"].message
+    assert alerts["nan_loss"].values == {} and "could not be rendered" in alerts["nan_loss"].message
+    assert feed.state()["last_step"] == 105

@@ -329,7 +329,7 @@ def test_nan_loss_is_split_from_gradient_overflow(feed: Feed) -> None:
     assert feed.alerts(rule="nan_loss") == []
     feed.send([step_record(200, skipped=True, loss=math.nan, loss_scale=2048.0), *healthy(201, 99)])
     (alert,) = feed.alerts(rule="nan_loss")
-    assert (alert.status, alert.started_step, alert.values["loss"]) == ("firing", 200, "nan")
+    assert (alert.status, alert.started_step, alert.values["loss"]) == ("firing", 200, "NaN")
     feed.send_steps(healthy(300, 100))
     assert feed.alerts(rule="nan_loss")[0].status == "resolved"
 

@@ -20,6 +20,7 @@ from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.schemas.wire import (
     MAX_BATCH_LAYER_NAMES,
     MAX_BATCH_LAYER_VALUES,
+    MAX_BATCH_RECORDS,
     MAX_BIGINT,
     MAX_DATA_DEPTH,
     MAX_STEP,
@@ -153,10 +154,10 @@ def test_oversized_batches_are_422_and_store_nothing(
     client: httpx.Client, count_rows: Callable[[], dict[str, int]]
 ) -> None:
     before = count_rows()
-    many_steps = make_batch(0, client_run_id="big", steps=[step_record(i) for i in range(50_001)])
-    answer = client.post(INGEST_PATH, json=many_steps)
+    steps = [step_record(i) for i in range(MAX_BATCH_RECORDS + 1)]
+    answer = client.post(INGEST_PATH, json=make_batch(0, client_run_id="big", steps=steps))
     _assert_clear_4xx(answer, 422)
-    assert "at most 50000" in answer.text
+    assert f"at most {MAX_BATCH_RECORDS}" in answer.text
     # The probe: a million new layer names held SQLite's write lock for 39 s.
     wide = make_batch(0, client_run_id="wide")
     names = [f"l{i}" for i in range(10**6)]
@@ -166,7 +167,7 @@ def test_oversized_batches_are_422_and_store_nothing(
     _assert_clear_4xx(answer, 422)
     assert f"at most {MAX_BATCH_LAYER_NAMES}" in answer.text
     assert time.monotonic() - started < 10
-    # Many values over few names: 33 records x 65,536 names > MAX_BATCH_LAYER_VALUES.
+    # Many values over few names: records x MAX_BATCH_LAYER_NAMES > MAX_BATCH_LAYER_VALUES.
     names = [f"l{i}" for i in range(MAX_BATCH_LAYER_NAMES)]
     deep = make_batch(0, client_run_id="deep")
     records = MAX_BATCH_LAYER_VALUES // MAX_BATCH_LAYER_NAMES + 2

@@ -10,9 +10,12 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 from wire_batches import layer_record, make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, decode_float
+from ampwatch.server.db import make_engine
+from ampwatch.server.models import Run
 
 Counts = Callable[[], dict[str, int]]
 #: The tables ingest writes; auth's tables (projects, tokens) are not ingest's business.
@@ -293,20 +296,67 @@ def test_gzip_body(client: httpx.Client) -> None:
     assert client.get(f"/api/v1/runs/{run_id}/steps").json()["step"] == [7]
 
 
-def test_json_nan_literals_are_read_as_the_wire_strings(client: httpx.Client) -> None:
-    # Python's json.dumps writes bare NaN/Infinity; the collector reads them as meant,
-    # and keeps them out of stored JSON (PostgreSQL rejects them there).
-    batch = make_batch(
-        0,
-        steps=[{**step_record(1), "loss": math.nan}],
-        events=[{"kind": "finding", "step": 1, "time": 5.0, "data": {"value": -math.inf}}],
-    )
-    response = client.post(INGEST_PATH, content=json.dumps(batch, allow_nan=True))
+def test_bare_non_finite_literals_are_refused_and_the_wire_spelling_is_kept(
+    client: httpx.Client, count_rows: Counts
+) -> None:
+    """Strict JSON, as the README says and every other route does: the wire spells the
+    non-finite floats "NaN", "Infinity", "-Infinity" and the agent always writes them so;
+    a bare literal (and 1e999, past a double: it was stored as +Inf) is a 422 that says
+    how to spell it, wherever it stands, and stores nothing."""
+    batch = make_batch(0, steps=[step_record(1, loss=1.5)], layer_stats=[
+        layer_record(1, ["fc1.weight"], [0.25])],
+        events=[{"kind": "finding", "step": 1, "time": 5.0, "data": {"value": 7.5}}])  # fmt: skip
+    text = json.dumps(batch)
+    for literal in ("NaN", "Infinity", "-Infinity", "1e999", "-1e999"):
+        for slot in ('"loss": 1.5', "[0.25]", '"value": 7.5'):
+            body = text.replace(slot, slot.replace(slot.split()[-1].strip("[]"), literal))
+            assert body != text
+            response = client.post(INGEST_PATH, content=body)
+            assert response.status_code == 422, (literal, slot, response.text)
+            assert '"NaN", "Infinity", "-Infinity"' in response.json()["detail"]
+    assert data_rows(count_rows) == EMPTY
+    batch["steps"][0]["loss"] = "NaN"
+    batch["layer_stats"][0]["stats"]["zero_fraction"] = ["Infinity"]
+    batch["events"][0]["data"]["value"] = "-Infinity"
+    response = post(client, batch)
     assert response.status_code == 200, response.text
     run_id = response.json()["run_id"]
     assert client.get(f"/api/v1/runs/{run_id}/steps").json()["loss"] == ["NaN"]
     (event,) = client.get(f"/api/v1/runs/{run_id}/events").json()["events"]
     assert decode_float(event["data"]["value"]) == -math.inf
+
+
+def test_nul_in_free_text_is_stored_alike_and_in_names_refused(
+    collector: Any, client: httpx.Client, count_rows: Counts
+) -> None:
+    """A NUL in a run's end reason, a checkpoint's path or a finding's message (free text
+    the agent passes on) is stored on both backends, as U+FFFD where it lands in a text
+    column and as JSON's escape in event data; PostgreSQL answered 500 to the reason, and
+    the agent retried the batch forever. In a name (run, project, layer) it is a 422."""
+    events = [
+        {"kind": "checkpoint", "step": 1, "time": 5.0, "data": {"path": "ckpt\x00/1.pt"}},
+        {"kind": "finding", "step": 1, "time": 5.0,
+         "data": {"code": "clip_before_unscale", "message": "clip\x00 first"}},
+        {"kind": "run_end", "step": 2, "time": 6.0, "data": {"reason": "disk\x00full"}},
+    ]  # fmt: skip
+    response = post(client, make_batch(0, steps=[step_record(1, loss=1.0)], events=events))
+    assert response.status_code == 200, response.text
+    run_id = response.json()["run_id"]
+    engine = make_engine(collector.database_url)
+    with engine.connect() as connection:
+        reason = connection.scalar(select(Run.end_reason).where(Run.id == run_id))
+    engine.dispose()
+    assert reason == "disk\ufffdfull"
+    stored = client.get(f"/api/v1/runs/{run_id}/events").json()["events"]
+    assert [e["data"] for e in stored] == [e["data"] for e in events]
+    (alert,) = client.get(f"/api/v1/runs/{run_id}/alerts").json()["alerts"]
+    assert alert["rule"] == "clip_before_unscale" and "clip\ufffd first" in alert["message"]
+    before = data_rows(count_rows)
+    for bad in (make_batch(1, client_run_id="a\x00b"),
+                make_batch(1, layer_stats=[layer_record(3, ["fc\x00.weight"], [0.5])])):  # fmt: skip
+        response = post(client, bad)
+        assert response.status_code == 422, response.text
+    assert data_rows(count_rows) == before
 
 
 def _bad(batch: dict[str, Any], path: list[Any], value: Any) -> dict[str, Any]:
