@@ -143,7 +143,8 @@ def watch(
     AMPWATCH_* environment variables (`ampwatch.agent.config`).
     `enabled=False` or AMPWATCH_DISABLED=1 returns a handle that does nothing (no hooks, no
     thread). Distributed: rank 0 sends step scalars (all ranks with
-    `steps_from_every_rank`), every rank its layer statistics, all tagged with their rank.
+    `steps_from_every_rank`), every rank its layer statistics, all tagged with their rank;
+    sharded (FSDP2, FSDP1) without a clip, every rank its part of the grad norm.
     Raises TypeError/ValueError on misuse, RuntimeError if an object is already watched.
     """
     settings = config.resolve(
@@ -218,6 +219,7 @@ def watch(
         final_layer=head,
         client_run_id=client_run_id,
         rank=info["rank"],
+        world_size=info["world_size"],
         send_steps=send_steps,
         activation_max_abs=activation_max_abs,
         loss_reduction=loss_reduction,

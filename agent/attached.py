@@ -45,6 +45,7 @@ class AttachedHandle(StepSampling):
         final_layer: tuple[str, nn.Module, bool] | None,
         client_run_id: str,
         rank: int,
+        world_size: int,
         send_steps: bool,
         activation_max_abs: bool,
         loss_reduction: str,
@@ -66,6 +67,9 @@ class AttachedHandle(StepSampling):
         #: after watch() are not measured. Named as the user's model names them (`shards`).
         self._named_params = shards.named_parameters(model)
         self._sharded = shards.sharding(model, (p for _, p in self._named_params))
+        fsdp1 = self._sharded == "fsdp1" and shards.disjoint_fsdp1(model)
+        self._plain_replicas = 1 if fsdp1 else None
+        self._world_size = world_size
         self._optimizers = optimizers
         self._scaler = scaler
         self._sender = sender

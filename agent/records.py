@@ -95,6 +95,10 @@ def step_record(sample: StepSample) -> wire.StepRecord:
     }
     if (clipped := values.get("grad_norm_clipped")) is not None:
         record["grad_norm_clipped"] = wire.encode_float(clipped)
+    sumsq = wire.encode_float(values.get("grad_sumsq"))
+    if sumsq is not None and (parts := values.get("grad_parts")):
+        record["grad_sumsq"] = sumsq  # this rank's part of a sharded grad norm (`wire`)
+        record["grad_parts"] = int(parts)
     if (prenorm := values.get("act_prenorm_mean")) is not None:
         record["act_prenorm_mean"] = wire.encode_float(prenorm)
         record["act_prenorm_max"] = wire.encode_float(values.get("act_prenorm_max"))

@@ -18,7 +18,7 @@ from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProb
 from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
-from ampwatch.agent.shards import GRAD_NORM_SHARDED, scalar, whole_scalar
+from ampwatch.agent.shards import GRAD_NORM_SHARDED, local_sumsq, scalar, whole_scalar
 from ampwatch.agent.stats import (
     Grads,
     RunningMean,
@@ -42,7 +42,11 @@ class StepSampling(WatchHandle):
     _grad_norm: bool
     #: "fsdp1" / "fsdp2" when a rank holds only its shard of each gradient, else None.
     _sharded: str | None
+    #: Sharded: how many ranks hold a plain gradient whole (FSDP1's disjoint shards: 1);
+    #: None when plain gradients' parts cannot be counted (`shards.local_sumsq`).
+    _plain_replicas: int | None
     _rank: int
+    _world_size: int
     _send_steps: bool
     _loss: RunningMean
     _scaled_loss: RunningMean | None
@@ -142,7 +146,8 @@ class StepSampling(WatchHandle):
         """The step's unscaled L2 grad norm: the one the loop's clip returned (before
         clipping) when one clip covered every gradient, with the norm after that clip as
         `grad_norm_clipped`; else one pass of our own (and no clipped norm), unless the
-        gradients are sharded: a rank's own pass is not the global norm (`shards`)."""
+        gradients are sharded: a rank's own pass is not the global norm, so it gives its
+        part, `grad_sumsq`, which the collector adds up over the ranks (`shards`)."""
         clips, self._clips = self._clips, []
         if not self._grad_norm or not grads.present:
             return {}
@@ -153,8 +158,13 @@ class StepSampling(WatchHandle):
                 norms["grad_norm_clipped"] = after
             return norms
         if self._sharded is not None:
-            self._finding("grad_norm_sharded", GRAD_NORM_SHARDED, sharding=self._sharded)
-            return {}
+            device = self._named_params[0][1].device
+            params = (p for _, p in self._named_params)
+            sumsq = local_sumsq(params, device, plain=self._plain_replicas)
+            if sumsq is None:
+                self._finding("grad_norm_sharded", GRAD_NORM_SHARDED, sharding=self._sharded)
+                return {}
+            return {"grad_sumsq": sumsq}
         if not grads.tensors:
             return {}
         return {"grad_norm": global_grad_norm(grads.tensors)}
@@ -179,6 +189,22 @@ class StepSampling(WatchHandle):
             groups = len(lrs)
             for i, lr in enumerate(lrs):
                 _add_lr(scalars, host, lr_group_field(i), lr)
+        return self._stacked(step, scalars, host, groups)
+
+    def _part_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample | None:
+        """A rank that sends no step scalars still sends its part of a sharded grad norm
+        (with its skip flag): the collector needs the parts of every rank."""
+        if "grad_sumsq" not in scalars:
+            return None
+        return self._stacked(step, scalars, {}, 0)
+
+    def _stacked(
+        self, step: int, scalars: dict[str, torch.Tensor], host: dict[str, float | None],
+        groups: int,
+    ) -> StepSample:  # fmt: skip
+        """The step's device values as one stacked tensor whose host copy starts here."""
+        if "grad_sumsq" in scalars:
+            host["grad_parts"] = float(self._world_size)  # parts the collector waits for
         # One-element plain 0-d tensors only: a DTensor's local value, a (1,)-shaped flag.
         scalars = {k: s for k, v in scalars.items() if (s := scalar(v)) is not None}
         values: torch.Tensor | None = None
@@ -210,6 +236,8 @@ class StepSampling(WatchHandle):
         if self._send_steps:
             scalars = {"loss_scale": scale, "found_inf": found_inf, **self._norms(grads)}
             sample = self._step_sample(step, scalars)
+        elif self._sharded is not None:
+            sample = self._part_sample(step, {"found_inf": found_inf, **self._norms(grads)})
         return sample, layers
 
     def _emit(self, prepared: tuple[StepSample | None, LayerSample | None]) -> None:
@@ -255,7 +283,8 @@ class StepSampling(WatchHandle):
     def _measure_pre_step(self) -> None:
         try:
             grads = named_grads(self._named_params)
-            norms = self._norms(grads) if self._send_steps else {}
+            sends = self._send_steps or self._sharded is not None  # or a grad_sumsq part
+            norms = self._norms(grads) if sends else {}
             self._applied = bool(grads.present)
             self._pending = (norms, self._take_layers(self._step + 1, grads, None))
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
@@ -272,6 +301,9 @@ class StepSampling(WatchHandle):
             sample = None
             if self._send_steps:
                 sample = self._step_sample(self._step + 1, dict(norms))
+            else:
+                sample = self._part_sample(self._step + 1, dict(norms))
+            if sample is not None:
                 # Without a scaler every step is applied, unless no parameter had a
                 # gradient (a skipped backward): the optimizer then changes nothing.
                 sample.host["found_inf"] = 0.0 if self._applied else 1.0

@@ -12,8 +12,12 @@ What a rank can and cannot know without a collective:
 - The global grad norm is over every shard: a rank's local norm is not it. The loop's own
   `clip_grad_norm_` already computed it (FSDP2: a Replicate DTensor, whose local tensor is
   the global norm on every rank; FSDP1's `FullyShardedDataParallel.clip_grad_norm_`: a
-  plain tensor), so the agent takes it from there; without a clip it stores no grad norm
-  and says so once (`GRAD_NORM_SHARDED`).
+  plain tensor), so the agent takes it from there. Without a clip every rank sends its
+  part, the sum of squares of its local shards (`local_sumsq`: a shard replicated over a
+  mesh dimension counted once in all), and the collector adds the parts of a step from all
+  `world_size` ranks (`server/ingest.py`). Where the parts cannot add up exactly (a Partial
+  DTensor gradient, a plain gradient beside FSDP2's, FSDP1 hybrid or unsharded strategies,
+  ignored modules) no norm is stored and the agent says so once (`GRAD_NORM_SHARDED`).
 - Names: wrappers insert path segments (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`,
   `_orig_mod.`); `clean_name` removes them so layers are named as the user's model names
   them. FSDP1 without `use_orig_params=True` holds one flat parameter per wrapped module:
@@ -43,11 +47,15 @@ WRAPPER_SEGMENTS = ("_fsdp_wrapped_module.", "_checkpoint_wrapped_module.", "_or
 FLAT_PARAM = "_flat_param"
 
 GRAD_NORM_SHARDED = (
-    "gradients are sharded and the loop did not clip: the global grad norm needs every "
-    "shard, and the agent never runs a collective, so grad_norm is not stored; call "
-    "clip_grad_norm_ (FSDP2: torch.nn.utils.clip_grad_norm_; FSDP1: model.clip_grad_norm_, "
-    "max_norm=float('inf') to measure without clipping) and its norm is stored"
+    "gradients are sharded, the loop did not clip, and this sharding's per-rank sums of "
+    "squares do not add up to the global norm (a Partial or unsharded gradient, FSDP1 "
+    "hybrid or NO_SHARD, ignored modules): the agent never runs a collective, so grad_norm "
+    "is not stored; call clip_grad_norm_ (FSDP2: torch.nn.utils.clip_grad_norm_; FSDP1: "
+    "model.clip_grad_norm_, max_norm=float('inf') to measure without clipping) and its "
+    "norm is stored"
 )
+#: FSDP1 strategies under which every rank holds a disjoint shard of each flat parameter.
+_DISJOINT_FSDP1 = ("FULL_SHARD", "SHARD_GRAD_OP")
 FLAT_PARAMS = (
     "FSDP1 without use_orig_params=True: per-layer statistics are per flat parameter "
     "(one per wrapped module); wrap with use_orig_params=True for per-parameter names"
@@ -164,6 +172,61 @@ def compute_dtype(model: nn.Module) -> torch.dtype | None:
         if isinstance(dtype, torch.dtype):
             return dtype
     return None
+
+
+def disjoint_fsdp1(model: nn.Module) -> bool:
+    """Whether every rank's FSDP1 shards are disjoint parts of the whole (FULL_SHARD,
+    SHARD_GRAD_OP; no ignored parameters, whose gradients every rank holds whole)."""
+    for module in fsdp1_modules(model):
+        strategy = getattr(getattr(module, "sharding_strategy", None), "name", None)
+        if strategy not in _DISJOINT_FSDP1 or getattr(module, "_ignored_params", None):
+            return False
+    return True
+
+
+def _replicas(grad: torch.Tensor, plain: int | None) -> int | None:
+    """On how many ranks `grad`'s local part is held identically: the sizes of the mesh
+    dimensions a DTensor is Replicate on (1 when Shard on all); `plain` for a plain tensor;
+    None when the local parts do not add up (Partial: unreduced sums)."""
+    if not is_dtensor(grad):
+        return plain
+    mesh = grad.device_mesh  # type: ignore[attr-defined]
+    replicas = 1
+    for dim, placement in enumerate(grad.placements):  # type: ignore[attr-defined]
+        kind = type(placement).__name__
+        if kind == "Replicate":
+            replicas *= int(mesh.size(dim))
+        elif kind != "Shard" and kind != "_StridedShard":
+            return None
+    return replicas
+
+
+def local_sumsq(
+    params: Iterable[torch.Tensor], device: torch.device, *, plain: int | None
+) -> torch.Tensor | None:
+    """This rank's part of the global squared L2 norm of the parameters' gradients: the sum
+    of squares of its local shards, each divided by the number of ranks holding it (so the
+    parts of all ranks add up to the whole, `_replicas`), launched on the device without a
+    host sync; `plain`: that number for plain gradients (None: they cannot be counted).
+    None when some gradient's part cannot be counted exactly. A rank whose shards are
+    empty adds 0. Non-finite gradients (an overflow step) give a non-finite part."""
+    groups: dict[int, list[torch.Tensor]] = {}
+    for param in params:
+        grad = param.grad
+        if grad is None or grad.is_sparse:
+            continue
+        replicas = _replicas(grad, plain)
+        local = local_tensor(grad)
+        if replicas is None or local is None:
+            return None
+        if local.numel():
+            groups.setdefault(replicas, []).append(local.detach())
+    total = torch.zeros((), dtype=torch.float32, device=device)
+    for replicas, tensors in groups.items():
+        norms = torch._foreach_norm(tensors, 2.0, dtype=torch.float32)
+        squares = torch.stack([n.to(device) for n in norms]).square().sum()
+        total = total + (squares if replicas == 1 else squares / replicas)
+    return total
 
 
 def has_flat_params(names: Iterable[str]) -> bool:

@@ -17,7 +17,8 @@ A batch, as JSON (`WIRE_VERSION` 1)::
          "grad_norm": null, "lr": 0.001, "act_norm_mean": 7.9, "act_norm_max": 11.2,
          "rank": 0,
          "lr_groups": [0.001, 0.0001],  # optional: only with more than one param group
-         "grad_norm_clipped": 1.0}      # optional: only when the loop clipped (see below)
+         "grad_norm_clipped": 1.0,      # optional: only when the loop clipped (see below)
+         "grad_sumsq": 0.42, "grad_parts": 8}  # optional: sharded, unclipped (see below)
       ],
       "layer_stats": [                # sampled every N steps; arrays aligned with names
         {"step": 10, "rank": 0, "names": ["fc1.weight", "fc1.bias"],
@@ -190,6 +191,15 @@ STEP_FLOAT_FIELDS: Final = (
     "act_prenorm_max",
 )
 
+#: A sharded run's step records without a clip (FSDP2, FSDP1) carry, from every rank, its
+#: part of the global grad norm: `grad_sumsq`, the unscaled sum of squares of the rank's
+#: local gradient shards (a shard replicated on k ranks counted 1/k), and `grad_parts`, the
+#: number of ranks whose parts make the whole (the world size). The collector stores
+#: `grad_norm` = sqrt(sum of the parts) on the lowest rank's row once all parts of the
+#: step arrived; a non-finite part (an overflow step) makes it non-finite. Not a
+#: `STEP_FLOAT_FIELDS` member: no series or rollup of its own.
+MAX_GRAD_PARTS: Final = 1 << 20
+
 #: A step record's optional `lr_groups`: the lr of every param group of every watched
 #: optimizer, in order (`lr` is the first of them), sent only when there is more than one:
 #: layer-wise lr, or no-decay groups with their own schedule, are invisible in `lr` alone.
@@ -232,6 +242,8 @@ class _StepRecordRequired(TypedDict):
 class StepRecord(_StepRecordRequired, total=False):
     lr_groups: list[WireFloat]
     grad_norm_clipped: WireFloat | None
+    grad_sumsq: WireFloat
+    grad_parts: int
     act_prenorm_mean: WireFloat | None
     act_prenorm_max: WireFloat | None
 

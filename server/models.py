@@ -290,6 +290,21 @@ class Step(Base):
     lr_groups: Mapped[bytes | None] = mapped_column(LargeBinary)
 
 
+class GradNormPart(Base):
+    """One rank's part of a sharded step's global grad norm (wire `grad_sumsq`): the
+    collector adds the parts of a step into `steps.grad_norm` of its lowest rank once all
+    `parts` arrived (`ampwatch.server.ingest`); kept, so that a re-sent part recombines
+    the same norm whatever the order of arrival."""
+
+    __tablename__ = "grad_norm_parts"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    sumsq: Mapped[float] = mapped_column(NonFiniteFloat)
+    parts: Mapped[int] = mapped_column(Integer)
+
+
 class _StepExtremes:
     """The columns a step rollup of any level holds after its key: the bucket's first and
     last step, its skip and step counts, and min and max of every step field."""

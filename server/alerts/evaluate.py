@@ -26,6 +26,10 @@ a function in its family's module called from `_evaluate_steps`, a README row.
 
 Records at or before the state's last step (a retried or late batch) are ignored by the
 rolling state, so they can never corrupt a window or a baseline; they are still stored.
+A sharded run's grad norm is combined from every rank's part by ingest before this runs
+(`ampwatch.server.ingest`): the followed rank's records carry it when their batch brings
+the step's last part; a norm completed later, by another rank's batch, is stored but
+`grad_norm_spike` neither judges nor learns it, as for an unmeasured norm.
 """
 
 from __future__ import annotations

@@ -26,6 +26,7 @@ from ampwatch.agent.wire import (
     EVENT_KINDS,
     EXPONENT_HISTOGRAM_BINS,
     LAYER_STATS,
+    MAX_GRAD_PARTS,
     MAX_LR_GROUPS,
     MAX_NAME_LENGTH,
     NON_FINITE,
@@ -34,6 +35,7 @@ from ampwatch.agent.wire import (
     STREAM_PATTERN,
     WIRE_VERSION,
     WireFloat,
+    decode_float,
     encode_nested,
 )
 
@@ -167,6 +169,23 @@ class StepIn(_WireModel):
     act_prenorm_max: WireFloat | None = None
     #: Every param group's lr (wire `MAX_LR_GROUPS`); absent with a single group.
     lr_groups: LrGroups | None = None
+    #: Sharded and unclipped: this rank's part of the squared global grad norm and how
+    #: many ranks' parts make it (wire `MAX_GRAD_PARTS`); both or neither.
+    grad_sumsq: WireFloat | None = None
+    grad_parts: Annotated[int, Field(ge=1, le=MAX_GRAD_PARTS)] | None = None
+
+    @model_validator(mode="after")
+    def _grad_part(self) -> StepIn:
+        if self.grad_sumsq is None and self.grad_parts is None:
+            return self
+        if self.grad_sumsq is None or self.grad_parts is None:
+            raise ValueError("grad_sumsq and grad_parts come together")
+        if self.rank >= self.grad_parts:
+            raise ValueError("a grad_sumsq part's rank must be below grad_parts")
+        sumsq = decode_float(self.grad_sumsq)
+        if sumsq is not None and sumsq < 0:
+            raise ValueError("grad_sumsq is a sum of squares: >= 0, NaN or Infinity")
+        return self
 
 
 BinCounts = Annotated[npt.NDArray[np.int64], PlainValidator(_bin_counts)]

@@ -90,3 +90,29 @@ def test_a_record_the_sender_cannot_build_is_dropped_and_the_sender_goes_on() ->
     assert sender.close(timeout=5)
     assert [r["step"] for r in collector.steps()] == [2, 3]
     assert sender.counters()["dropped_steps"] == 1
+
+
+def test_local_sumsq_counts_each_gradient_once_over_its_holders() -> None:
+    """A rank's part of the squared global norm: its shards' squares, a gradient that
+    `plain` ranks hold whole divided among them; non-finite stays non-finite; a part that
+    cannot be counted is None (the agent then says so and stores no norm)."""
+    params = [
+        nn.Parameter(torch.zeros(3)),
+        nn.Parameter(torch.zeros(2, 2)),
+        nn.Parameter(torch.zeros(1)),
+    ]
+    params[0].grad = torch.tensor([1.0, 2.0, 2.0])
+    params[1].grad = torch.tensor([[3.0, 0.0], [0.0, 4.0]])  # params[2] has no gradient
+    cpu = torch.device("cpu")
+    part = shards.local_sumsq(params, cpu, plain=1)
+    assert part is not None and part.item() == 9.0 + 25.0
+    halves = shards.local_sumsq(params, cpu, plain=2)
+    assert halves is not None and halves.item() == 17.0
+    assert shards.local_sumsq(params, cpu, plain=None) is None
+    params[1].grad[0, 0] = float("inf")
+    overflow = shards.local_sumsq(params, cpu, plain=1)
+    assert overflow is not None and overflow.item() == float("inf")
+    empty = [nn.Parameter(torch.zeros(0))]
+    empty[0].grad = torch.zeros(0)  # a rank whose shard of every gradient is empty
+    nothing = shards.local_sumsq(empty, cpu, plain=1)
+    assert nothing is not None and nothing.item() == 0.0

@@ -74,7 +74,7 @@ CASES = (
     Case("fsdp2_bf16_nonorm_clip", "fsdp2", torch.bfloat16, clip=True, final_norm=False),
     Case("fsdp2_fp16_scaler", "fsdp2", torch.float16, clip=True, scaler="amp"),
     Case("fsdp1_fp16_sharded_scaler", "fsdp1", torch.float16, clip=True, scaler="sharded"),
-    Case("fsdp1_bf16_flat", "fsdp1", torch.bfloat16, clip=True, orig_params=False),
+    Case("fsdp1_bf16_flat", "fsdp1", torch.bfloat16, orig_params=False),  # no clip: parts
     Case("ddp_fp16", "ddp", torch.float16, scaler="amp"),
 )
 
@@ -114,8 +114,11 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
 
 def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -> dict[str, Any]:
     """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g|
-    of the whole gradient, from full tensors (the test's own collectives, on every rank)."""
-    if case.wrap != "ddp" and not (case.orig_params and sampled):
+    of the whole gradient, from full tensors (the test's own collectives, on every rank).
+    FSDP2 without a clip gathers full tensors every step: the collector's combined norm
+    is checked against them."""
+    whole = sampled or (case.wrap == "fsdp2" and not case.clip)
+    if case.wrap != "ddp" and not (case.orig_params and whole):
         # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the last
         # shard with zeros, which add nothing); gathering whole tensors is for sampled steps.
         local = [_local(p.grad).float() for p in model.parameters() if p.grad is not None]

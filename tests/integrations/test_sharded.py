@@ -5,7 +5,8 @@ the truth the loop computed from full tensors (sharded_run.py runs every case in
 Before the agent read local shards, these runs were killed (a collective on one rank),
 lost every layer sample (`aten.bincount` on a DTensor), stopped the sender (`.tolist()` of
 a DTensor), stored nothing under ShardedGradScaler (a 0-d and a 1-d flag stacked) and
-stored rank 0's shard norm as the grad norm.
+stored rank 0's shard norm as the grad norm. A sharded loop that does not clip stored no
+grad norm; now every rank sends its part and the collector's stored norm is the truth.
 """
 
 from __future__ import annotations
@@ -20,8 +21,14 @@ from typing import Any
 import pytest
 import torch.multiprocessing as mp
 from sharded_run import CASES, EVERY, OVERFLOW_STEPS, STEPS, TinyTransformer, run_cases
+from sqlalchemy import select
 
 from ampwatch.agent import wire
+from ampwatch.server import migrate
+from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.models import Step
+from ampwatch.server.schemas.wire import BatchIn
 
 #: One spawn runs every case (the first test pays for it): ~1 min of CPU, longer on a
 #: loaded host, where each gloo collective waits for both processes to be scheduled.
@@ -39,10 +46,12 @@ def matrix(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return out
 
 
+def _bodies(folder: Path, rank: int) -> list[bytes]:
+    return [gzip.decompress(p.read_bytes()) for p in sorted(folder.glob(f"rank{rank}-*"))]
+
+
 def _sent(folder: Path, rank: int) -> dict[str, list[Any]]:
-    batches = [
-        json.loads(gzip.decompress(p.read_bytes())) for p in sorted(folder.glob(f"rank{rank}-*"))
-    ]
+    batches = [json.loads(body) for body in _bodies(folder, rank)]
     return {
         kind: [r for b in batches for r in b[kind]] for kind in ("steps", "layer_stats", "events")
     }
@@ -61,8 +70,28 @@ def _gradient_layers(records: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return [r for r in records if "zero_fraction" in r["stats"]]
 
 
+def _stored_grad_norms(folder: Path, url: str) -> dict[int, float | None]:
+    """Both ranks' batches through the collector's ingest, interleaved with rank 1's first:
+    rank 0's stored grad norm per step."""
+    migrate.upgrade(url)
+    engine = make_engine(url)
+    try:
+        sessions = make_sessionmaker(engine)
+        bodies = [_bodies(folder, rank) for rank in (0, 1)]
+        for index in range(max(map(len, bodies))):
+            for rank in (1, 0):
+                if index < len(bodies[rank]):
+                    with sessions() as session:
+                        ingest_batch(session, BatchIn.model_validate_json(bodies[rank][index]))
+        with sessions() as session:
+            rows = session.execute(select(Step.step, Step.grad_norm).where(Step.rank == 0))
+            return {int(step): norm for step, norm in rows}
+    finally:
+        engine.dispose()
+
+
 @pytest.mark.parametrize("case", CASES, ids=[c.name for c in CASES])
-def test_sharded_case(matrix: Path, case: Any) -> None:
+def test_sharded_case(matrix: Path, case: Any, sqlite_url: str) -> None:
     folder = matrix / case.name
     truths = [json.loads((folder / f"truth{r}.json").read_text()) for r in (0, 1)]
     sent = [_sent(folder, r) for r in (0, 1)]
@@ -71,7 +100,14 @@ def test_sharded_case(matrix: Path, case: Any) -> None:
 
     steps = sent[0]["steps"]
     assert [s["step"] for s in steps] == list(range(1, STEPS + 1))
-    assert sent[1]["steps"] == []  # rank 0 sends the step scalars
+    sharded = case.wrap != "ddp"
+    parts = sharded and not case.clip
+    if parts:  # every rank its part of the global norm; rank 1 nothing else
+        assert [s["step"] for s in sent[1]["steps"]] == list(range(1, STEPS + 1))
+        assert {s["grad_parts"] for r in (0, 1) for s in sent[r]["steps"]} == {2}
+        assert all(s["loss"] is None and s["grad_norm"] is None for s in sent[1]["steps"])
+    else:
+        assert sent[1]["steps"] == []  # rank 0 sends the step scalars
     assert [s["rank"] for s in steps] == [0] * STEPS
     assert [s["skipped"] for s in steps] == truth["skipped"]
     if case.scaler is not None:
@@ -84,16 +120,21 @@ def test_sharded_case(matrix: Path, case: Any) -> None:
         e["data"]["code"]: e["data"] for r in (0, 1) for e in sent[r]["events"]
         if e["kind"] == "finding"
     }  # fmt: skip
-    sharded = case.wrap != "ddp"
-    if case.clip or not sharded:
+    if parts:
+        # Combined on the collector from both ranks' sums of squares: FSDP2, the norm of
+        # the full tensors (`.full_tensor()`) every step; FSDP1's flat parameters (padded
+        # shards), the test's own all-reduce of every shard's squares.
+        stored = _stored_grad_norms(folder, sqlite_url)
+        assert sorted(stored) == list(range(1, STEPS + 1))
+        for step, want in enumerate(truth["grad_norm"], start=1):
+            assert _close(stored[step], want), (step, stored[step], want)
+        assert "grad_norm_sharded" not in findings
+    elif case.clip or not sharded:
         # The loop's own clip (or, replicated under DDP, one pass of the agent's): the
         # global norm over every shard, step by step.
         for got, want in zip(steps, truth["grad_norm"], strict=True):
             assert _close(got["grad_norm"], want), (got["step"], got["grad_norm"], want)
         assert "grad_norm_sharded" not in findings
-    else:
-        assert all(s["grad_norm"] is None for s in steps)  # a shard's norm is not stored
-        assert findings["grad_norm_sharded"]["sharding"] == case.wrap
     if case.clip:
         for got, total in zip(steps, truth["clip_total"], strict=True):
             assert _close(got["grad_norm"], total)
