@@ -238,7 +238,15 @@ class StepSampling(WatchHandle):
             sample = self._step_sample(step, scalars)
         elif self._sharded is not None:
             sample = self._part_sample(step, {"found_inf": found_inf, **self._norms(grads)})
+        else:
+            self._forget_clips()
         return sample, layers
+
+    def _forget_clips(self) -> None:
+        """A rank that sends no norm still sees the loop's clips: drop the step's, or the
+        list would hold a device tensor per step for the whole run."""
+        if self._clips is not None:
+            self._clips = []
 
     def _emit(self, prepared: tuple[StepSample | None, LayerSample | None]) -> None:
         sample, layers = prepared
@@ -285,6 +293,8 @@ class StepSampling(WatchHandle):
             grads = named_grads(self._named_params)
             sends = self._send_steps or self._sharded is not None  # or a grad_sumsq part
             norms = self._norms(grads) if sends else {}
+            if not sends:
+                self._forget_clips()
             self._applied = bool(grads.present)
             self._pending = (norms, self._take_layers(self._step + 1, grads, None))
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training

@@ -37,9 +37,13 @@ def _worker(rank: int, world_size: int, init_file: str, out: str) -> None:
             with torch.autocast("cpu", dtype=torch.float16):
                 loss = model(torch.randn(3, 4)).float().pow(2).mean()
             scaler.scale(loss).backward()
+            scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
             scaler.step(optimizer)
             scaler.update()
             optimizer.zero_grad()
+        # Rank 1 sends no norm: the clips it saw must not pile up, one per step, all run long.
+        (Path(out).parent / f"clips-held-{rank}").write_text(str(len(handle._clips or [])))
         handle.detach()
     finally:
         dist.destroy_process_group()
@@ -51,6 +55,7 @@ def test_rank0_sends_steps_every_rank_sends_layer_stats(tmp_path: Path) -> None:
     os.environ.pop("AMPWATCH_RUN_ID", None)
     mp.spawn(_worker, args=(2, str(tmp_path / "init"), str(out)), nprocs=2, join=True)
 
+    assert [(tmp_path / f"clips-held-{r}").read_text() for r in (0, 1)] == ["0", "0"]
     batches = {0: [], 1: []}
     for path in sorted(out.iterdir()):
         batches[int(path.name[4])].append(json.loads(gzip.decompress(path.read_bytes())))
