@@ -1,5 +1,6 @@
 """The commands that call a running collector's `/api/v1` over HTTP: `ampwatch
-restart-candidates` and `ampwatch webhook add|list|remove|test`. A run is named by id,
+restart-candidates`, `resume-plan` (`ampwatch.server.cli.resume`) and `ampwatch webhook
+add|list|remove|test`. A run is named by id,
 client run id or name (`resolve_run`); a collector's refusal is a message and exit status 1.
 """
 
@@ -45,6 +46,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     for p in webhook_sub.choices.values():
         add_api(p)
     webhook.set_defaults(func=cmd_webhook)
+
+    from ampwatch.server.cli import resume  # it imports this module's client helpers
+
+    resume.add_commands(sub, add_api)
 
 
 class _ApiError(Exception):
