@@ -10,6 +10,7 @@ import argparse
 import json
 import os
 import sys
+from typing import Any
 
 import httpx
 
@@ -149,13 +150,21 @@ def format_restart_candidates(answer: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def cmd_restart_candidates(args: argparse.Namespace) -> int:
+def get_of_run(args: argparse.Namespace, command: str, resource: str) -> Any:
+    """GET `/runs/{id}/{resource}` of the run `args.run` names; None (the reason printed
+    to stderr as `ampwatch COMMAND: ...`) when the collector refuses or is unreachable."""
     try:
         with _api(args) as api:
             run_id = resolve_run(api, args.run)
-            answer = _call(api, "GET", f"/runs/{run_id}/restart-candidates").json()
+            return _call(api, "GET", f"/runs/{run_id}/{resource}").json()
     except _ApiError as error:
-        print(f"ampwatch restart-candidates: {error}", file=sys.stderr)
+        print(f"ampwatch {command}: {error}", file=sys.stderr)
+        return None
+
+
+def cmd_restart_candidates(args: argparse.Namespace) -> int:
+    answer = get_of_run(args, "restart-candidates", "restart-candidates")
+    if answer is None:
         return 1
     print(json.dumps(answer, indent=2) if args.json else format_restart_candidates(answer))
     return 0

@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from ampwatch.server.cli.remote import _api, _ApiError, _call, resolve_run
+from ampwatch.server.cli.remote import get_of_run
 
 
 def add_commands(
@@ -59,12 +58,8 @@ def format_resume_plan(plan: dict[str, Any]) -> str:
 
 
 def cmd_resume_plan(args: argparse.Namespace) -> int:
-    try:
-        with _api(args) as api:
-            run_id = resolve_run(api, args.run)
-            plan = _call(api, "GET", f"/runs/{run_id}/resume-plan").json()
-    except _ApiError as error:
-        print(f"ampwatch resume-plan: {error}", file=sys.stderr)
+    plan = get_of_run(args, "resume-plan", "resume-plan")
+    if plan is None:
         return 1
     if args.skip_batches:
         skip = plan["skip"]

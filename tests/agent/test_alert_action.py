@@ -363,3 +363,20 @@ def test_raise_interrupts_the_loop_at_the_scalers_update(tmp_path: Path, sqlite_
     assert raised.value.code == EXIT_CRITICAL_ALERT
     frames = [frame.name for frame in raised.traceback]
     assert "_update" in frames and "hear" not in frames  # the training thread's update()
+
+
+def test_offline_mode_says_once_that_no_alert_can_come_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    model = nn.Linear(4, 4)
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    with caplog.at_level(logging.INFO, "ampwatch.agent"):
+        handle = watch(model, optimizer, offline_file=tmp_path / "run.aw", on_critical="stop")
+        for _ in range(3):
+            model(torch.randn(2, 4)).sum().backward()
+            optimizer.step()
+            optimizer.zero_grad()
+        handle.detach()
+    said = [r for r in caplog.records if "no alert can come back" in r.getMessage()]
+    assert len(said) == 1 and said[0].levelno == logging.WARNING
+    assert "offline" in said[0].getMessage() and handle.alerts == () and not handle.should_stop
