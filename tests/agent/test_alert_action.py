@@ -177,35 +177,39 @@ def train(
     run = Trained(handle, step)
     data = synthetic_batches(0)
     batch_idx = -1
-    while step < steps:
-        tokens, targets = next(data)
-        batch_idx += 1
-        if plan is not None and (batch_idx < plan.step or plan.skips(batch_idx)):
-            continue  # consumed before the checkpoint, or to skip
-        step += 1
-        handle.data_position(batch_idx)
-        run.batches[step] = batch_idx
-        for group in optimizer.param_groups:
-            group["lr"] = lr(step)
-        with torch.autocast("cpu", dtype=torch.float16):
-            logits = model(tokens)
-        loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
-        if step == poison_at:
-            loss = loss * math.nan
-        scaler.scale(loss).backward()
-        scaler.step(optimizer)
-        scaler.update()
-        optimizer.zero_grad(set_to_none=True)
-        run.losses[step] = loss.item()
-        if step % CHECKPOINT_EVERY == 0 or handle.should_stop:
-            path = folder / f"step{step}.pt"
-            state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
-                     "scaler": scaler.state_dict()}  # fmt: skip
-            handle.save_checkpoint(state, path, step)
-            run.checkpoints[step] = path
-        if handle.should_stop:
-            break
-        between_steps(step, handle)
+    try:
+        while step < steps:
+            tokens, targets = next(data)
+            batch_idx += 1
+            if plan is not None and (batch_idx < plan.step or plan.skips(batch_idx)):
+                continue  # consumed before the checkpoint, or to skip
+            step += 1
+            handle.data_position(batch_idx)
+            run.batches[step] = batch_idx
+            for group in optimizer.param_groups:
+                group["lr"] = lr(step)
+            with torch.autocast("cpu", dtype=torch.float16):
+                logits = model(tokens)
+            loss = nn.functional.cross_entropy(logits.float().view(-1, VOCAB), targets.view(-1))
+            if step == poison_at:
+                loss = loss * math.nan
+            scaler.scale(loss).backward()
+            scaler.step(optimizer)
+            scaler.update()
+            optimizer.zero_grad(set_to_none=True)
+            run.losses[step] = loss.item()
+            if step % CHECKPOINT_EVERY == 0 or handle.should_stop:
+                path = folder / f"step{step}.pt"
+                state = {"model": model.state_dict(), "optimizer": optimizer.state_dict(),
+                         "scaler": scaler.state_dict()}  # fmt: skip
+                handle.save_checkpoint(state, path, step)
+                run.checkpoints[step] = path
+            if handle.should_stop:
+                break
+            between_steps(step, handle)
+    except CriticalAlert:
+        handle.detach("failed", reason="critical alert")
+        raise
     run.last_step = step
     handle.detach("stopped" if handle.should_stop else "finished")
     return run
@@ -380,3 +384,26 @@ def test_offline_mode_says_once_that_no_alert_can_come_back(
     said = [r for r in caplog.records if "no alert can come back" in r.getMessage()]
     assert len(said) == 1 and said[0].levelno == logging.WARNING
     assert "offline" in said[0].getMessage() and handle.alerts == () and not handle.should_stop
+
+
+def test_the_cli_prints_the_plan_and_writes_skip_batches_json(
+    story: Story, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+) -> None:
+    from ampwatch.server import cli
+
+    skip_file = tmp_path / "skip_batches.json"
+    run = story.diverged.handle.client_run_id
+    argv = ["resume-plan", run, "--url", story.url, "--json", "--skip-batches", str(skip_file)]
+    plan = story.api.get(f"/runs/{story.run_id}/resume-plan").json()  # after the resume
+    assert cli.main(argv) == 0
+    assert json.loads(capsys.readouterr().out) == plan
+    assert json.loads(skip_file.read_text()) == plan["skip"]["skip_batches"]
+    assert cli.main(["resume-plan", run, "--url", story.url]) == 0
+    words = capsys.readouterr().out
+    checkpoint = plan["checkpoint"]
+    assert f"checkpoint: step {checkpoint['step']}  {checkpoint['path']}" in words
+    assert "set lr = " in words and "epoch 0: batches" in words
+    assert cli.main(["resume-plan", "no-such-run", "--url", story.url]) == 1
+    assert "no run with id" in capsys.readouterr().err
+    assert story.api.get("/runs/999999/resume-plan").status_code == 404
+    assert story.api.get(f"/runs/{story.run_id}/resume-plan?margin_steps=-1").status_code == 422
