@@ -21,6 +21,7 @@ belong to the abandoned steps), so the resumed process's policy acts only on new
 
 from __future__ import annotations
 
+import bisect
 import math
 
 from sqlalchemy import select
@@ -42,7 +43,7 @@ from ampwatch.server.schemas.resume_plan import (
 #: The flat `skip_batches` list is given up to this many batches (ranges beyond).
 MAX_SKIP_BATCHES = 10_000
 #: Steps of a skip range mapped to batches at most (a plan's reads stay bounded).
-MAX_SKIP_STEPS = 100_000
+MAX_SKIP_STEPS = 20_000
 #: Data-position events read at most (one per break of the stride: epochs, restarts).
 MAX_POSITION_EVENTS = 10_000
 #: The lr on restart, as a share of the lr in effect at the checkpoint.
@@ -91,39 +92,40 @@ def resume_plan(
 
 
 def _positions(session: Session, run_id: int, until: int) -> list[tuple[int, Position]]:
-    """(step, position) of each data-position event up to step `until`, in arrival order:
-    a resumed process's events, sent later, win over the abandoned ones of the same steps."""
+    """(step, position) of the latest data-position events up to step `until`, by step;
+    of two at one step the later sent wins (a resumed process's, over the abandoned one's)."""
     rows = session.execute(
         select(Event.step, Event.data)
         .where(Event.run_id == run_id, Event.kind == "data_position", Event.step <= until)
         .order_by(Event.id.desc())
         .limit(MAX_POSITION_EVENTS)
     ).all()
-    found: list[tuple[int, Position]] = []
-    for step, data in reversed(rows):
+    latest: dict[int, Position] = {}
+    for step, data in reversed(rows):  # in arrival order: a later one replaces
         epoch, batch, stride = data.get("epoch"), data.get("batch"), data.get("stride")
         if step is None or not isinstance(epoch, int) or not isinstance(batch, int):
             continue
-        found.append((step, (epoch, batch, stride if isinstance(stride, int) else None)))
-    return found
+        latest[step] = (epoch, batch, stride if isinstance(stride, int) else None)
+    return sorted(latest.items())
 
 
 def position_at(events: list[tuple[int, Position]], step: int) -> tuple[int, int, int] | None:
-    """(epoch, first batch, batches) step `step` consumed: from the latest-sent event at or
-    before it, extended along its stride; None without one (or a stride unknown past it).
+    """(epoch, first batch, batches) step `step` consumed: from the event at the latest step
+    at or before it (`events` by step), extended along its stride; None without one (or
+    with its stride unknown past it). One bisection: a plan's range may be long.
 
     >>> position_at([(10, (0, 40, 4))], 12)
     (0, 48, 4)
     """
-    for at, (epoch, batch, stride) in reversed(events):
-        if at > step:
-            continue
-        if at == step:
-            return epoch, batch, stride or 1
-        if stride is None:
-            return None
-        return epoch, batch + stride * (step - at), stride
-    return None
+    index = bisect.bisect_right(events, step, key=lambda event: event[0]) - 1
+    if index < 0:
+        return None
+    at, (epoch, batch, stride) = events[index]
+    if at == step:
+        return epoch, batch, stride or 1
+    if stride is None:
+        return None
+    return epoch, batch + stride * (step - at), stride
 
 
 def _skip(session: Session, run_id: int, steps: DataSkip) -> PlanSkip:
