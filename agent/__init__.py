@@ -15,11 +15,34 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from ampwatch.agent.attach import watch
     from ampwatch.agent.handle import Lifecycle, WatchHandle
+    from ampwatch.agent.policy import EXIT_CRITICAL_ALERT, CriticalAlert, FiringAlert
+    from ampwatch.agent.resume import ResumeFrom, load_resume_plan
 
-__all__ = ["Lifecycle", "WatchHandle", "watch"]
+__all__ = [
+    "EXIT_CRITICAL_ALERT",
+    "CriticalAlert",
+    "FiringAlert",
+    "Lifecycle",
+    "ResumeFrom",
+    "WatchHandle",
+    "load_resume_plan",
+    "watch",
+]
+#: The stdlib-only names (alert policy, resume plans): importable without torch.
+_LIGHT = {
+    "EXIT_CRITICAL_ALERT": "policy",
+    "CriticalAlert": "policy",
+    "FiringAlert": "policy",
+    "ResumeFrom": "resume",
+    "load_resume_plan": "resume",
+}
 
 
 def __getattr__(name: str) -> Any:
+    if name in _LIGHT:
+        import importlib
+
+        return getattr(importlib.import_module(f"ampwatch.agent.{_LIGHT[name]}"), name)
     if name in __all__:
         # The module is not named `watch`: importing a submodule sets it as an attribute of
         # the package, which would shadow the `watch` function.

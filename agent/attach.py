@@ -25,6 +25,8 @@ from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.handle import Lifecycle, WatchHandle
 from ampwatch.agent.hooks import find_final_layer
 from ampwatch.agent.http_transport import Transport, http_transport
+from ampwatch.agent.policy import AlertPolicy, OnCritical, check_on_critical
+from ampwatch.agent.resume import ResumeFrom, load_resume_plan
 from ampwatch.agent.sampling import to_host
 from ampwatch.agent.scaler import checked_min_loss_scale, scaler_config
 from ampwatch.agent.shards import compute_dtype
@@ -88,6 +90,8 @@ def watch(
     max_queue: int = 10_000,
     transport: Transport | None = None,
     delivery: DeliveryOptions | None = None,
+    on_critical: OnCritical = "warn",
+    resume_from: ResumeFrom | dict[str, Any] | str | os.PathLike[str] | None = None,
     enabled: bool = True,
 ) -> WatchHandle:
     """Attach to a training loop and stream its mixed-precision health to the collector.
@@ -141,12 +145,29 @@ def watch(
     (`ampwatch.agent.delivery.DeliveryOptions`): the spool's folder and bound, the buffer's
     bounds, the retry backoff, the clock; the defaults suit a real run. Arguments win over
     AMPWATCH_* environment variables (`ampwatch.agent.config`).
+    `on_critical` (`ampwatch.agent.policy`): what a critical alert does when the collector's
+    answer to a batch reports one: "warn" (log it), "stop" (`handle.should_stop`: save a
+    checkpoint, stop, `sys.exit(handle.exit_code)`), "raise" (`CriticalAlert` at the next
+    step boundary) or a callable `(handle, alerts)` called there; `handle.alerts` lists
+    the firing ones. `resume_from`: a resume plan (`ampwatch resume-plan RUN --json`, a
+    dict or its file; `ampwatch.agent.resume`): the run continues under the plan's run id
+    from its checkpoint's step (`run_id`, `run` and `start_step` default to the plan's) and
+    records a `resumed` event.
     `enabled=False` or AMPWATCH_DISABLED=1 returns a handle that does nothing (no hooks, no
     thread). Distributed: rank 0 sends step scalars (all ranks with
     `steps_from_every_rank`), every rank its layer statistics, all tagged with their rank;
     sharded (FSDP2, FSDP1) without a clip, every rank its part of the grad norm.
     Raises TypeError/ValueError on misuse, RuntimeError if an object is already watched.
     """
+    check_on_critical(on_critical)
+    plan = None if resume_from is None else load_resume_plan(resume_from)
+    if plan is not None:
+        if run_id is not None and run_id != plan.client_run_id:
+            raise ValueError(
+                f"run_id {run_id!r} differs from the resume plan's run {plan.client_run_id!r}"
+            )
+        run_id, run = plan.client_run_id, run or plan.name
+        start_step = start_step or plan.step
     settings = config.resolve(
         url=url,
         token=token,
@@ -196,6 +217,9 @@ def watch(
     run_ref: wire.RunRef = {"client_run_id": client_run_id, "name": name}
     if settings.project is not None:
         run_ref["project"] = settings.project
+    policy = AlertPolicy(on_critical, ignore=plan.alert_ids if plan is not None else ())
+    if settings.offline_file is not None:
+        policy.unanswered("offline mode (offline_file)")
     sender = Sender(
         run_ref,
         transport,
@@ -204,6 +228,7 @@ def watch(
         flush_interval=flush_interval,
         max_queue=max_queue,
         delivery=DeliveryOptions() if delivery is None else delivery,
+        on_answer=policy.hear,
     )
     send_steps = sends_steps(info["rank"], every_rank=steps_from_every_rank)
     compiled_as = None
@@ -226,6 +251,7 @@ def watch(
         start_step=start_step,
         compiled_as=compiled_as,
     )
+    handle._policy = policy
     if fp8_stats_every and optimizers:
         handle._fp8 = fp8.Fp8Monitor(
             model,
@@ -264,6 +290,8 @@ def watch(
             **info,
         },
     )
+    if plan is not None and info["rank"] == 0:  # once: it resolves the run's open alerts
+        handle._event("resumed", plan.step, plan.summary())
     attach_findings(handle, model, scaler is None and bool(optimizers))
     return handle
 

@@ -119,6 +119,7 @@ class AttachedHandle(StepSampling):
                 before_update=self._before_update,
                 after_update=self._emit,
                 on_error=self._on_error,
+                boundary=self._at_boundary,
             )
             self._tap.attach()
             self._scaled_loss = self._tap.loss
@@ -132,6 +133,7 @@ class AttachedHandle(StepSampling):
             first = optimizers[0]
             self._add_hook(first.register_step_pre_hook(self._optimizer_pre_step))
             self._add_hook(first.register_step_post_hook(self._optimizer_post_step))
+            self._add_hook(first.register_step_post_hook(self._at_boundary))  # after it
         if optimizers:  # after ScaledClipCheck: it runs first and flags still-scaled grads
             self._detach_actions.append(clipping.register(self._before_clip))
             self._tap_fsdp1_clip(model, check)

@@ -20,7 +20,7 @@ from pathlib import Path
 
 from ampwatch.agent import wire
 from ampwatch.agent.batching import RecordBuffer, Tally
-from ampwatch.agent.http_transport import Transport, request_headers
+from ampwatch.agent.http_transport import Answer, Transport, request_headers
 from ampwatch.agent.retry import retry_delay
 from ampwatch.agent.spool import Frame, Spool, default_spool_dir, encode_frame
 
@@ -87,6 +87,7 @@ class Delivery:
         offline_file: str | os.PathLike[str] | None,
         flush_interval: float,
         options: DeliveryOptions,
+        on_answer: Callable[[bytes], None] | None = None,
     ) -> None:
         if transport is None and offline_file is None:
             raise ValueError("pass a transport, or offline_file to write batches to a file")
@@ -105,6 +106,8 @@ class Delivery:
             self.spool = Spool(directory, max_bytes=options.spool_max_bytes)
         self._options = options
         self._flush_interval = flush_interval
+        #: Reads each acknowledgement's body (`ampwatch.agent.policy.AlertPolicy.hear`).
+        self._on_answer = on_answer
         self.inflight: Frame | None = None  # the oldest batch when the spool is empty
         self._failures = 0  # consecutive failed tries of the oldest batch
         self.retry_at = 0.0
@@ -181,11 +184,19 @@ class Delivery:
             status = None
             self._log_once(
                 "down",
-                "ampwatch: the collector is unreachable (%r); retrying, then spooling to disk",
+                "ampwatch: the collector is unreachable (%r); retrying, then spooling to "
+                "disk; no alert can come back until it answers",
                 exc,
             )
         if status is not None and 200 <= status < 300:
             self._tally.add(batches_sent=1)
+            if self._on_answer is not None and isinstance(status, Answer):
+                try:
+                    self._on_answer(status.body)
+                except Exception as exc:  # noqa: BLE001 - the sender thread must go on
+                    self._log_once(
+                        "answer", "ampwatch: cannot read the collector's answer (%r)", exc
+                    )
         else:
             self._tally.add(send_failures=1)
             self._failures += 1

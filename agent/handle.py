@@ -17,6 +17,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from ampwatch.agent.batching import idle_counters
+from ampwatch.agent.data_position import DataPositions
+from ampwatch.agent.policy import AlertPolicy, FiringAlert
 from ampwatch.agent.transport import Sender
 
 if TYPE_CHECKING:
@@ -45,6 +47,9 @@ class WatchHandle:
         self._errors = 0
         self._detach_actions: list[Callable[[], None]] = []
         self._sender: Sender | None = None
+        #: Hears the collector's answers (`watch(on_critical=...)`); None when disabled.
+        self._policy: AlertPolicy | None = None
+        self._positions = DataPositions()
 
     @property
     def state(self) -> Lifecycle:
@@ -54,6 +59,30 @@ class WatchHandle:
     def step(self) -> int:
         """Optimizer steps seen so far, skipped ones included (with a scaler: its updates)."""
         return self._step
+
+    @property
+    def alerts(self) -> tuple[FiringAlert, ...]:
+        """The run's firing alerts, as the collector's latest answer listed them (critical
+        first); () offline, disabled, or before the first answer."""
+        return self._policy.firing if self._policy is not None else ()
+
+    @property
+    def should_stop(self) -> bool:
+        """True once a critical alert fired with `on_critical="stop"` (or "raise"): save a
+        checkpoint and stop the loop. A plain attribute read: check it every step."""
+        return self._policy is not None and self._policy.should_stop
+
+    @property
+    def exit_code(self) -> int:
+        """`ampwatch.agent.EXIT_CRITICAL_ALERT` once the policy stopped the run for a
+        critical alert, else 0: end the script with `sys.exit(handle.exit_code)` so that a
+        launcher can tell the stop from a crash and relaunch from the resume plan."""
+        return self._policy.exit_code if self._policy is not None else 0
+
+    def _at_boundary(self, *_: object) -> None:
+        """A step boundary on the training thread: where "raise" and a callable act."""
+        if self._policy is not None:
+            self._policy.at_boundary(self)
 
     @property
     def counters(self) -> dict[str, int]:
@@ -86,9 +115,25 @@ class WatchHandle:
                 "grad_norm": grad_norm, "lr": lr,
             }  # fmt: skip
             self._record(step, values)
+            self._at_boundary()
 
     def _record(self, step: int | None, values: dict[str, object]) -> None:
         """The attached handle's `record()`, with the step's values by wire name."""
+
+    def data_position(self, batch: int, *, epoch: int = 0) -> None:
+        """Report the index of the first batch (`batch_idx`) the current optimizer step
+        consumes, in `epoch`: a resume plan then lists the batches to skip, not only the
+        steps. Call it every step (micro-batches after the first are ignored); it sends an
+        event only when the position stops following its stride. Never raises."""
+        if self._state is not Lifecycle.ATTACHED:
+            return
+        try:
+            noted = self._positions.note(self._step + 1, epoch, batch)
+            if noted is not None:
+                self._event("data_position", *noted)
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._on_error(exc)
+        self._at_boundary()
 
     def checkpoint(self, path: str | os.PathLike[str], step: int | None = None) -> None:
         """Record that a checkpoint was saved at `step` (default: the current step)."""

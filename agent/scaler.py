@@ -95,6 +95,8 @@ class ScalerTap:
     The callbacks run around the real `update()`: `before_update()` (device work, may return
     None to skip) and `after_update(prepared)` only if the real update returned normally, so
     misuse errors (update without step) reach the user unchanged and record nothing.
+    `boundary()`, last, outside the agent's own error handling: the step boundary where a
+    `watch(on_critical="raise")` policy may raise (`ampwatch.agent.policy`).
     """
 
     def __init__(
@@ -104,8 +106,10 @@ class ScalerTap:
         before_update: Callable[[], Any],
         after_update: Callable[[Any], None],
         on_error: Callable[[BaseException], None],
+        boundary: Callable[[], None] = lambda: None,
     ) -> None:
         self._scaler = scaler
+        self._boundary = boundary
         self._before_update = before_update
         self._after_update = after_update
         self._on_error = on_error
@@ -156,3 +160,4 @@ class ScalerTap:
                 self._after_update(prepared)
             except Exception as exc:  # noqa: BLE001 - the agent never raises into the training loop
                 self._on_error(exc)
+        self._boundary()

@@ -18,6 +18,7 @@ from __future__ import annotations
 import logging
 import os
 import threading
+from collections.abc import Callable
 
 from ampwatch.agent import wire
 from ampwatch.agent.batching import RecordBuffer, Sample, SampleQueue, Tally
@@ -37,7 +38,8 @@ class Sender:
     Bounds: the queue holds `max_queue` samples; the buffer, the spool and the retries
     are `delivery`'s (`DeliveryOptions`). Delivery: `transport` (stdlib HTTP in `watch()`),
     with `token` as a bearer token; `offline_file`: append sealed batches to that file
-    instead and never use the network.
+    instead and never use the network. `on_answer`: called on this thread with the body of
+    each acknowledgement (`ampwatch.agent.policy`).
 
     A sender that is never `start()`ed is driven by `tick()`, which does one pass of the
     thread's work at the injected clock's time (tests), and flushed by `close()` in the
@@ -54,6 +56,7 @@ class Sender:
         flush_interval: float = 1.0,
         max_queue: int = 10_000,
         delivery: DeliveryOptions = DeliveryOptions(),  # noqa: B008 - frozen, shared
+        on_answer: Callable[[bytes], None] | None = None,
     ) -> None:
         self._tally = Tally()
         self._queue = SampleQueue(max_queue, self._tally)
@@ -73,6 +76,7 @@ class Sender:
             offline_file=offline_file,
             flush_interval=flush_interval,
             options=delivery,
+            on_answer=on_answer,
         )
         self._clock = delivery.clock
         self._flush_interval = flush_interval

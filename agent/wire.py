@@ -144,8 +144,11 @@ EXPONENT_BIAS: Final = 127
 #:                       compare with FP16_MAX (or FP8's 448 / 57344): overflow headroom
 ACTIVATION_STATS: Final = ("activation_max_abs",)
 
-#: Event kinds the collector understands.
-EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
+#: Event kinds the collector understands. `data_position`: {epoch, batch, stride}, the first
+#: batch of the event's step (`ampwatch.agent.data_position`); `resumed`: a process resumed
+#: from a resume plan (`ampwatch.agent.resume`). A collector older than a kind refuses the
+#: batch (422): the agent sends these two only when the loop asks for them.
+EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding", "data_position", "resumed")
 
 #: `run_start`'s key for the loss scaler's configured floor (`watch(min_loss_scale=...)`;
 #: fairseq, DeepSpeed and Megatron `min_loss_scale`): a positive number, or null where the

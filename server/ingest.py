@@ -52,6 +52,7 @@ from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.alerts.evaluate import Judged
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert, upsert
+from ampwatch.server.firing import firing_alerts
 from ampwatch.server.layer_rollups import ROLLUP_COLUMNS, ROLLUP_KEY, refresh_layer_rollups
 from ampwatch.server.models import (
     RUN_KEY,
@@ -95,7 +96,7 @@ def ingest_batch(
     ack = IngestAck(run_id=run.id, stream=batch.stream, seq=batch.seq, duplicate=False)
     if session.get(IngestedBatch, (run.id, batch.stream, batch.seq)) is not None:
         session.rollback()
-        return ack.model_copy(update={"duplicate": True})
+        return ack.model_copy(update={"duplicate": True, "alerts": firing_alerts(session, run.id)})
 
     session.add(IngestedBatch(run_id=run.id, stream=batch.stream, seq=batch.seq, received_at=now))
     # The alert rules first, in this transaction (they read only their own state, never the
@@ -110,6 +111,7 @@ def ingest_batch(
         column = f"dropped_{kind}"
         setattr(run, column, getattr(run, column) + batch.dropped.get(kind, 0))
     run.last_seen_at = now
+    ack.alerts = firing_alerts(session, run.id)  # what this batch fired, in its transaction
     session.commit()
     return ack
 

@@ -19,7 +19,17 @@ from starlette.exceptions import HTTPException
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
 from ampwatch.server.admission import AdmissionLimit
-from ampwatch.server.api import advisor, alerts, fp8, health, ingest, run_data, runs, webhooks
+from ampwatch.server.api import (
+    advisor,
+    alerts,
+    fp8,
+    health,
+    ingest,
+    resume_plan,
+    run_data,
+    runs,
+    webhooks,
+)
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.body_limit import BodyLimit
@@ -90,7 +100,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     # (`deps.SessionRoute`).
     guard = [Depends(get_principal)]
     app.include_router(metrics_api.router, dependencies=guard, responses=AUTH_ERRORS)
-    for api in (ingest, runs, run_data, webhooks, advisor, fp8):
+    for api in (ingest, runs, run_data, webhooks, advisor, resume_plan, fp8):
         app.include_router(api.router, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
     # The routes + the alerts file.
     alerts.mount(app, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)

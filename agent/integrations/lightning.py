@@ -38,15 +38,25 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
 
 The run ends `finished` at `on_train_end`, `failed` (with the exception) at
 `on_exception`; `teardown` detaches whatever is still attached.
+
+Alert to action (`watch(on_critical="stop")`, `ampwatch.agent.policy`): every checkpoint
+the trainer saves (`trainer.save_checkpoint`, which `ModelCheckpoint` calls) is reported to
+the advisor; when the collector reports a critical alert, the callback saves one more
+through `trainer.save_checkpoint` (in `ModelCheckpoint`'s folder, else the root dir) at
+the end of the batch and sets `trainer.should_stop`; `callback.exit_code` is then
+`EXIT_CRITICAL_ALERT` for `sys.exit`. Lightning does not agree on `should_stop` across
+ranks: under DDP, see `ampwatch.agent.policy` (single-process fits only, for now).
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
 
 from ampwatch.agent import WatchHandle, watch
+from ampwatch.agent.patch import patch_method
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -79,6 +89,9 @@ class AmpwatchCallback(Callback):
         self._lr: Any = None
         self._scaler: torch.amp.GradScaler | None = None
         self.handle: WatchHandle | None = None
+        #: The handle's exit code at detach (`ampwatch.agent.EXIT_CRITICAL_ALERT` once a
+        #: critical alert stopped the fit): `sys.exit(callback.exit_code)` after `fit()`.
+        self.exit_code = 0
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.handle is not None:
@@ -97,6 +110,22 @@ class AmpwatchCallback(Callback):
             start_step=trainer.global_step,
             **self._watch_kwargs,
         )
+        self.handle._detach_actions.append(self._report_saves(trainer, self.handle))
+
+    @staticmethod
+    def _report_saves(trainer: Trainer, handle: WatchHandle) -> Any:
+        """Report every checkpoint the trainer saves (the advisor ranks them); returns
+        the function that restores `save_checkpoint`."""
+
+        def make(original: Any) -> Any:
+            def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
+                result = original(filepath, *args, **kwargs)
+                handle.checkpoint(filepath, trainer.global_step)
+                return result
+
+            return save_checkpoint
+
+        return patch_method(trainer, "save_checkpoint", make)
 
     def on_train_batch_start(
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
@@ -135,6 +164,13 @@ class AmpwatchCallback(Callback):
         batch_idx: int,
     ) -> None:
         handle, scaler = self.handle, self._scaler
+        if handle is not None and handle.should_stop and not trainer.should_stop:
+            folder = (
+                getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
+            )
+            name = f"ampwatch-critical-step={trainer.global_step}.ckpt"
+            trainer.save_checkpoint(os.path.join(folder, name))  # reported to the advisor
+            trainer.should_stop = True
         if handle is None or scaler is None or not pl_module.automatic_optimization:
             return
         try:
@@ -158,4 +194,5 @@ class AmpwatchCallback(Callback):
     def _detach(self, status: str, reason: str | None = None) -> None:
         handle, self.handle = self.handle, None
         if handle is not None:
+            self.exit_code = handle.exit_code
             handle.detach(status, reason)

@@ -20,12 +20,19 @@ sum of shares or the mean of micro-batch losses: in both cases the Trainer's own
 unless a `compute_loss` override changes the loss after the model returns it (the hook
 sees the model's loss; such a Trainer can call `callback.handle.log_loss(loss)` itself).
 
+Alert to action (`watch(on_critical="stop")`, `ampwatch.agent.policy`): each checkpoint the
+Trainer saves (`on_save`: `output_dir/checkpoint-<step>`) is reported to the advisor; when
+the collector reports a critical alert, `on_step_end` sets `control.should_save` and
+`control.should_training_stop`, so the Trainer saves through its own checkpoint path and
+stops; `callback.exit_code` is then `EXIT_CRITICAL_ALERT` for `sys.exit`.
+
 The Trainer has no exception callback: a run that raises ends as `exited` at interpreter
 exit (the agent's atexit handler), a finished one as `finished` at `on_train_end`.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 import torch
@@ -49,6 +56,8 @@ class AmpwatchCallback(TrainerCallback):
         self._watch_kwargs = watch_kwargs
         self.handle: WatchHandle | None = None
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
+        #: The handle's exit code at detach: `sys.exit(callback.exit_code)` after `train()`.
+        self.exit_code = 0
 
     def on_train_begin(
         self,
@@ -65,13 +74,24 @@ class AmpwatchCallback(TrainerCallback):
         self.handle = handle
         self._loss_hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
+    def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.handle is not None and self.handle.should_stop:
+            control.should_save = True
+            control.should_training_stop = True
+
+    def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
+        if self.handle is not None:  # the Trainer's own folder name (PREFIX_CHECKPOINT_DIR)
+            path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
+            self.handle.checkpoint(path, state.global_step)
+
     def on_train_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
         handle, self.handle = self.handle, None
         if self._loss_hook is not None:
             self._loss_hook.remove()
             self._loss_hook = None
         if handle is not None:
-            handle.detach("finished")
+            self.exit_code = handle.exit_code
+            handle.detach("stopped" if handle.should_stop else "finished")
 
     def _on_forward(
         self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any

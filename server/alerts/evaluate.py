@@ -156,7 +156,8 @@ def _apply_events(
 ) -> int | None:
     """Findings raise their rules; a `run_start` of the followed rank (a new process: the
     run started or resumed, maybe from an earlier checkpoint) restarts calibration and the
-    step sequence and resolves the old process's findings. Returns that rank, if any."""
+    step sequence and resolves the old process's findings; a `resumed` one (`watch(resume_from=
+    plan)`) resolves every open alert. Returns that rank, if any."""
     restarted = None
     for event in batch.events:
         step = event.step if event.step is not None else (state.last_step or 0)
@@ -191,6 +192,9 @@ def _apply_events(
                 return f"{message} (reported at step {step})", {"finding": data, "step": step}
 
             tracker.holds(finding_rule, step, detail)
+        elif event.kind == "resumed":  # from a resume plan: the abandoned steps' alerts end
+            for rule, layer in list(tracker.open):
+                tracker.resolve(rule, step, layer=layer)
     return restarted
 
 

@@ -16,19 +16,23 @@ router = APIRouter(
 )
 
 
+#: `?margin_steps=`: the advisor's margin, here and in `/resume-plan`.
+MarginSteps = Annotated[
+    int | None,
+    Query(
+        ge=0,
+        le=MAX_STEP,
+        description="Steps a healthy checkpoint must precede the incident onset by "
+        "(default: 2% of the run, at least 20).",
+    ),
+]
+
+
 @router.get("/{run_id}/restart-candidates")
 def get_restart_candidates(
     run_id: RunIdDep,
     session: SessionDep,
-    margin_steps: Annotated[
-        int | None,
-        Query(
-            ge=0,
-            le=MAX_STEP,
-            description="Steps a healthy checkpoint must precede the incident onset by "
-            "(default: 2% of the run, at least 20).",
-        ),
-    ] = None,
+    margin_steps: MarginSteps = None,
     min_loss_scale: Annotated[
         float | None,
         Query(

@@ -1,5 +1,6 @@
 """The commands that call a running collector's `/api/v1` over HTTP: `ampwatch
-restart-candidates` and `ampwatch webhook add|list|remove|test`. A run is named by id,
+restart-candidates`, `resume-plan` (`ampwatch.server.cli.resume`) and `ampwatch webhook
+add|list|remove|test`. A run is named by id,
 client run id or name (`resolve_run`); a collector's refusal is a message and exit status 1.
 """
 
@@ -9,7 +10,7 @@ import argparse
 import json
 import os
 import sys
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # imported where a command runs: building the parser needs neither
     import httpx
@@ -45,6 +46,10 @@ def add_commands(sub: argparse._SubParsersAction[argparse.ArgumentParser]) -> No
     for p in webhook_sub.choices.values():
         add_api(p)
     webhook.set_defaults(func=cmd_webhook)
+
+    from ampwatch.server.cli import resume  # it imports this module's client helpers
+
+    resume.add_commands(sub, add_api)
 
 
 class _ApiError(Exception):
@@ -150,13 +155,21 @@ def format_restart_candidates(answer: dict[str, object]) -> str:
     return "\n".join(lines)
 
 
-def cmd_restart_candidates(args: argparse.Namespace) -> int:
+def get_of_run(args: argparse.Namespace, command: str, resource: str) -> Any:
+    """GET `/runs/{id}/{resource}` of the run `args.run` names; None (the reason printed
+    to stderr as `ampwatch COMMAND: ...`) when the collector refuses or is unreachable."""
     try:
         with _api(args) as api:
             run_id = resolve_run(api, args.run)
-            answer = _call(api, "GET", f"/runs/{run_id}/restart-candidates").json()
+            return _call(api, "GET", f"/runs/{run_id}/{resource}").json()
     except _ApiError as error:
-        print(f"ampwatch restart-candidates: {error}", file=sys.stderr)
+        print(f"ampwatch {command}: {error}", file=sys.stderr)
+        return None
+
+
+def cmd_restart_candidates(args: argparse.Namespace) -> int:
+    answer = get_of_run(args, "restart-candidates", "restart-candidates")
+    if answer is None:
         return 1
     print(json.dumps(answer, indent=2) if args.json else format_restart_candidates(answer))
     return 0

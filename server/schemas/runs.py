@@ -20,11 +20,26 @@ from ampwatch.server.models import Health, RunStatus
 from ampwatch.server.schemas.wire import Name
 
 
+class AckAlert(BaseModel):
+    """A firing alert of the run, as the ingest acknowledgement carries it to the agent."""
+
+    id: int
+    rule: str
+    #: '' for a run-wide rule, else the layer a per-layer rule fired on.
+    layer: str
+    severity: str
+    #: The step at which it fired (its `for` duration met).
+    step: int | None
+
+
 class IngestAck(BaseModel):
     run_id: int
     stream: str
     seq: int
     duplicate: bool
+    #: The run's firing alerts after this batch, critical first (at most
+    #: `ampwatch.server.firing.MAX_ACK_ALERTS`): the agent's `on_critical` policy reads them.
+    alerts: list[AckAlert] = Field(default_factory=list)
 
 
 class RunPublic(BaseModel):

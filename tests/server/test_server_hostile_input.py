@@ -121,6 +121,8 @@ def test_the_largest_step_numbers_are_stored_or_refused_never_500(
                 f"/steps?start={step}&end={MAX_BIGINT}",
                 "/restart-candidates",
                 f"/restart-candidates?margin_steps={MAX_STEP}",
+                "/resume-plan",
+                f"/resume-plan?margin_steps={MAX_STEP}",
             ):
                 read = client.get(f"/api/v1/runs/{run}{path}")
                 assert read.status_code in (200, 422), (path, read.text[:300])

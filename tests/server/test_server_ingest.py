@@ -53,7 +53,11 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     ack = post(client, make_batch(0, steps=steps))
     assert ack.status_code == 200, ack.text
     run_id = ack.json()["run_id"]
-    assert ack.json() == {"run_id": run_id, "stream": "5eed", "seq": 0, "duplicate": False}
+    # The answer carries the run's firing alerts: the NaN loss of step 2 fired nan_loss.
+    nan_loss = {"id": 1, "rule": "nan_loss", "layer": "", "severity": "critical", "step": 2}
+    assert ack.json() == {
+        "run_id": run_id, "stream": "5eed", "seq": 0, "duplicate": False, "alerts": [nan_loss],
+    }  # fmt: skip
 
     series = client.get(f"/api/v1/runs/{run_id}/steps").json()
     assert series["step"] == [1, 2, 3, 4, 5]
@@ -208,6 +212,7 @@ def test_duplicate_batch_is_acknowledged_and_changes_nothing(
         "stream": "5eed",
         "seq": 0,
         "duplicate": True,
+        "alerts": [],
     }
     assert count_rows() == counts
     assert data_rows(count_rows) == {
