@@ -300,6 +300,50 @@ def manual_first_alert(log: Log, url: str) -> tuple[bool, int | None]:
     return True, min(fired) if fired else None
 
 
+# -- the printed values themselves through the manual API -------------------------------------
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A log's printed values (the corpus' own reading) sent through `handle.record()`: what
+    the alert engine says of the values themselves, whether or not `import` reads the
+    format yet."""
+
+    log: Log
+    span: int
+    alerts: list[dict[str, Any]]
+
+    def by_severity(self, severity: str) -> list[dict[str, Any]]:
+        return [a for a in self.alerts if a["severity"] == severity]
+
+    @property
+    def first_alert(self) -> int | None:
+        fired = [int(a["fired_step"]) for a in self.alerts if a.get("fired_step") is not None]
+        return min(fired) if fired else None
+
+
+def replay_printed(log: Log, url: str) -> Replayed:
+    import httpx
+    from real_logs import Excerpt, replay
+    from scenario_catalog import find_run
+
+    from ampwatch.agent.logs.series import LogStep
+
+    by_step: dict[int, dict[str, float]] = {}
+    for (step, name), value in printed(log.path, log.truth).values.items():
+        by_step.setdefault(step, {})[name] = value
+    steps = [LogStep(step, **values) for step, values in sorted(by_step.items())]  # type: ignore[arg-type]
+    if not steps:
+        return Replayed(log, 0, [])
+    client_run_id = replay(Excerpt(log.name, log.truth, log.source, steps), url,
+                           project="public-logs-printed")  # fmt: skip
+    with httpx.Client(base_url=url, timeout=60) as api:
+        run = find_run(api, client_run_id)
+        alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()
+    fired = [a for a in alerts["alerts"] if a.get("fired_step") is not None]
+    return Replayed(log, steps[-1].step - steps[0].step + 1, fired)
+
+
 # -- the verdict -------------------------------------------------------------------------------
 
 
@@ -332,8 +376,9 @@ class Verdict:
         """Every bar this log misses, in words (empty: it holds them all)."""
         out = []
         if not self.imported.read:
+            said = (self.imported.output.strip().splitlines() or [""])[-1]
             out.append(f"not read by ampwatch import (exit {self.imported.rc}): "
-                       f"{self.imported.output.strip().splitlines()[-1:]}")  # fmt: skip
+                       f"{said.split(' (looked for')[0][:240]}")  # fmt: skip
         if self.values.contradicted:
             out.append(f"{len(self.values.contradicted)} printed value(s) contradicted, e.g. "
                        f"{self.values.contradicted[:3]}")  # fmt: skip
