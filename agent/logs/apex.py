@@ -17,6 +17,7 @@ class ApexParser:
 
     def __init__(self) -> None:
         self.recognised = 0
+        self.inferred: dict[str, str] = {}
         self._step = 0
 
     def feed(self, line: str, number: int) -> list[Entry]:
@@ -27,6 +28,12 @@ class ApexParser:
             return []
         self.recognised += 1
         self._step += 1
+        if self._step == 1:
+            self.inferred.update(
+                step="apex prints no step: the overflow lines are consecutive attempts from 1",
+                loss_scale="the attempted scale: twice the one the line reduces to (apex's "
+                "backoff factor 2)",
+            )
         return [LogStep(self._step, loss_scale=2 * float(match.group(1)), skipped=True,
                         line=number)]  # fmt: skip
 

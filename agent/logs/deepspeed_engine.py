@@ -152,13 +152,14 @@ class EngineSteps:
         first interval from the log's first time stamp (the process start)."""
         lo = self._prev_step
         start = self._prev_time
-        if start is None and skips and self._first_time is not None and stamp is not None:
-            if all(s.time is None or self._first_time < s.time for s in skips):
-                start = self._first_time
-                self.notes["first_overflows"] = (
-                    "overflows before the first step= line: placed by time, counting from "
-                    "the log's first time stamp as the process start"
-                )
+        first = self._first_time
+        if (start is None and skips and first is not None and stamp is not None
+                and all(s.time is None or first < s.time for s in skips)):  # fmt: skip
+            start = first
+            self.notes["first_overflows"] = (
+                "overflows before the first step= line: placed by time, counting from "
+                "the log's first time stamp as the process start"
+            )
         if start is None or stamp is None or step <= lo or stamp <= start:
             return None
         rate = (stamp - start) / (step - lo)
@@ -181,7 +182,7 @@ class EngineSteps:
                 self.notes["exact_scales"] = ("some 'Grad overflow on iteration' lines have no "
                                               "OVERFLOW/Reducing line: their scale is held")  # fmt: skip
             placed = dict(zip(attempts, skips, strict=False))
-            for attempt in attempts[len(skips):]:
+            for attempt in attempts[len(skips) :]:
                 placed[attempt] = _Skip(self._scale or 0.0, None, None)
             return placed
         positions: list[int] = []
@@ -207,7 +208,9 @@ class EngineSteps:
         grown: dict[int, float] = {}
         for growth in self._growths:
             at = self._position(growth.time, step, stamp, rate)
-            grown[min(max(at if at is not None else step, self._prev_step + 1), step)] = growth.after
+            grown[min(max(at if at is not None else step, self._prev_step + 1), step)] = (
+                growth.after
+            )
         return grown
 
     def _attempts(self, first: int, last: int, placed: dict[int, _Skip],

@@ -60,6 +60,7 @@ class FairseqParser:
 
     def __init__(self) -> None:
         self.recognised = 0
+        self.inferred: dict[str, str] = {}
         self._skips = 0
         self._exact: float | None = None
         self._last: int | None = None
@@ -73,6 +74,11 @@ class FairseqParser:
                 return []
             self._skips += 1
             self._last += 1
+            self.inferred.update(
+                step="an attempt: num_updates plus the overflows logged so far (fairseq does "
+                "not count an overflowed update)",
+                loss_scale="an overflowed attempt's scale: twice the one it set (factor 2)",
+            )
             return [LogStep(self._last, loss_scale=2 * new, skipped=True, line=number)]
         if "saved checkpoint" in line and (saved := _SAVED.search(line)) is not None:
             self.recognised += 1

@@ -27,9 +27,10 @@ from types import FrameType
 
 from ampwatch.agent import wire
 from ampwatch.agent.delivery import DeliveryOptions
-from ampwatch.agent.logs.detect import SNIFF_LINES, detect_format, make_parser
+from ampwatch.agent.logs.detect import SNIFF_LINES, Sniffer, make_parser
+from ampwatch.agent.logs.reader import LineReader, findings
 from ampwatch.agent.logs.records import Target, derived_id, event, run_start, step_sample
-from ampwatch.agent.logs.series import Checkpoint, Entry, LogStep, Parser, Restart
+from ampwatch.agent.logs.series import Checkpoint, Entry, Finding, LogStep, Restart
 from ampwatch.agent.logs.tail import LogTail
 from ampwatch.agent.spool import default_spool_dir
 from ampwatch.agent.transport import Sender, Transport, http_transport
@@ -63,8 +64,9 @@ class Follower:
         self.tail = LogTail(path, from_end=from_end)
         self._fmt = fmt
         self.format: str | None = None if fmt == "auto" else fmt
-        self._parser: Parser | None = None if fmt == "auto" else make_parser(fmt)
+        self._parser: LineReader | None = None if fmt == "auto" else LineReader(make_parser(fmt))
         self._sniffed: list[tuple[int, str]] = []
+        self._sniffer = Sniffer()
         self._number = 0
         self._base_id = target.run_id or derived_id("ampwatch-follow", str(self.path.resolve()))
         self._name = target.name or self.path.stem
@@ -81,6 +83,7 @@ class Follower:
         self._backlog: list[Path] = []  # closed processes' spool folders not yet delivered
         self._backlog_at = 0.0
         self.steps_sent = 0
+        self._last_step: int | None = None
 
     def client_run_id(self, engine: str = "") -> str:
         return self._base_id if not engine else derived_id(self._base_id, engine)
@@ -98,16 +101,22 @@ class Follower:
         return self.steps_sent - before
 
     def _sniff(self, line: str) -> None:
-        """Auto: hold lines until a format's markers show (or SNIFF_LINES are held)."""
+        """Auto: hold lines until a format's markers show (counted as they arrive, never
+        read again); lines that carry no marker before the first one are launcher noise,
+        dropped once SNIFF_LINES of them are held."""
         self._sniffed.append((self._number, line))
-        try:
-            self.format, why = detect_format(text for _, text in self._sniffed)
-        except ValueError:
-            if len(self._sniffed) < SNIFF_LINES:
-                return
-            raise
-        self._log(f"{self.path}: format {self.format} ({why})")
-        self._parser = make_parser(self.format)
+        self._sniffer.add(line)
+        decided = self._sniffer.decide(final=False)
+        if decided is None:
+            if len(self._sniffed) >= SNIFF_LINES and not self._sniffer.generic:
+                self._sniffed = []
+            return
+        self._start_parser(*decided)
+
+    def _start_parser(self, fmt: str, why: str) -> None:
+        self.format = fmt
+        self._log(f"{self.path}: format {fmt} ({why})")
+        self._parser = LineReader(make_parser(fmt))
         held, self._sniffed = self._sniffed, []
         for number, text in held:
             self._send(self._parser.feed(text, number))
@@ -164,10 +173,13 @@ class Follower:
             elif isinstance(entry, LogStep):
                 self._sender(entry.engine).put(step_sample(entry))
                 self.steps_sent += 1
+                self._last_step = entry.step
             elif isinstance(entry, Checkpoint):
                 self._sender(entry.engine).put(
                     event("checkpoint", entry.step, {"path": entry.path})
                 )
+            elif isinstance(entry, Finding):
+                self._sender(entry.engine).put(event("finding", entry.step, entry.data))
 
     def _close_senders(self, timeout: float) -> bool:
         delivered = True
@@ -182,14 +194,16 @@ class Follower:
         """Send the parser's last steps and flush; True if all reached the collector (else
         the rest is in the spool)."""
         if self._parser is None and self._sniffed:
-            self._sniffed, held = [], self._sniffed
-            self.format = detect_format(text for _, text in held)[0] if held else None
-            if self.format is not None:
-                self._parser = make_parser(self.format)
-                for number, text in held:
-                    self._send(self._parser.feed(text, number))
+            decided = self._sniffer.decide(final=True)
+            if decided is not None:
+                self._start_parser(*decided)
         if self._parser is not None:
             self._send(self._parser.finish())
+            self._send([Finding(f["step"], f["data"], engine) for engine in list(self._senders)
+                        for f in findings(self._parser.unread, self._parser.inferred,
+                                          self._last_step, 0.0)])  # fmt: skip
+            if self._parser.unread.total:
+                self._log(f"{self.path}: {self._parser.unread.summary()}")
         self.tail.close()
         self._deliver_backlog(force=True)
         return self._close_senders(timeout) and not self._backlog

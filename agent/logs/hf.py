@@ -32,6 +32,7 @@ class HfParser:
 
     def __init__(self) -> None:
         self.recognised = 0
+        self.inferred: dict[str, str] = {}
         self._steps: dict[int, LogStep] = {}
         self._last: int | None = None
         self._scale: float | None = None

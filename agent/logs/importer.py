@@ -1,7 +1,9 @@
 """`ampwatch import`: parse whole logs first, then send them as the agent would.
 
-Nothing is sent until every file has parsed: a line that does not read stops the import
-with its file and line number, and the collector never sees half a log. The batches are
+Nothing is sent until every file has parsed. A line that does not read (cut, not UTF-8,
+wrapped) is skipped and counted (`reader.LineReader`): the count is printed at the end and
+stored with the run, as is what the parser inferred; only a file in which no line reads as
+a step stops the import, with its file and first line. The batches are
 then cut deterministically (the run id from the files' bytes, one stream per process, seq
 from 0, `BATCH_STEPS` steps a batch), framed as in the agent's offline files and sent
 by `ampwatch upload`'s loop (`send`): importing the same files again re-sends the same (run,
@@ -28,8 +30,16 @@ from pathlib import Path
 
 from ampwatch.agent import wire
 from ampwatch.agent.logs.detect import detect_format, make_parser
+from ampwatch.agent.logs.reader import LineReader, Unread, findings
 from ampwatch.agent.logs.records import Target, derived_id, event, run_start, wire_step
-from ampwatch.agent.logs.series import Checkpoint, Entry, LogParseError, LogStep, Restart
+from ampwatch.agent.logs.series import (
+    Checkpoint,
+    Entry,
+    Finding,
+    LogParseError,
+    LogStep,
+    Restart,
+)
 from ampwatch.agent.spool import encode_frame
 from ampwatch.agent.upload import UploadReport, upload
 
@@ -47,6 +57,8 @@ class ParsedLog:
     reason: str
     entries: list[Entry]
     digest: str
+    unread: Unread = field(default_factory=Unread)
+    inferred: dict[str, str] = field(default_factory=dict)
 
     @property
     def steps(self) -> list[LogStep]:
@@ -59,21 +71,31 @@ class ParsedLog:
 
 def iter_lines(data: bytes, path: str = "") -> Iterator[tuple[int, str]]:
     """(1-based number, text) per line; `\\r\\n` endings lose their `\\r` (a lone `\\r`, a
-    tqdm redraw, stays). Bytes that are not UTF-8 name their line."""
-    for number, raw in enumerate(data.split(b"\n"), 1):
+    tqdm redraw, stays). Bytes that are not UTF-8 become U+FFFD, which the reader counts
+    and skips (`reader.LineReader`); a last line without its newline (a killed job's) is
+    kept for the parser to judge."""
+    lines = data.split(b"\n")
+    if lines and not lines[-1]:
+        lines.pop()
+    for number, raw in enumerate(lines, 1):
         if raw.endswith(b"\r"):
             raw = raw[:-1]
-        try:
-            yield number, raw.decode("utf-8")
-        except UnicodeDecodeError as exc:
-            text = raw.decode("utf-8", errors="replace")
-            raise LogParseError(number, text, f"not UTF-8 ({exc.reason})", path) from None
+        yield number, raw.decode("utf-8", errors="replace")
 
 
 def parse_lines(
     lines: list[tuple[int, str]], fmt: str, path: str = ""
 ) -> tuple[str, str, list[Entry]]:
     """Parse numbered lines with `fmt` ("auto": detected); (format, reason, entries)."""
+    chosen, reason, entries, _ = read_lines(lines, fmt, path)
+    return chosen, reason, entries
+
+
+def read_lines(
+    lines: list[tuple[int, str]], fmt: str, path: str = ""
+) -> tuple[str, str, list[Entry], LineReader]:
+    """`parse_lines`, with the reader (what it could not read, what the parser inferred).
+    Raises LogParseError only when no line reads as a step."""
     reason = f"--format {fmt}"
     if fmt == "auto":
         try:
@@ -81,18 +103,18 @@ def parse_lines(
         except ValueError as exc:
             first = next(((n, t) for n, t in lines if t.strip()), (1, ""))
             raise LogParseError(first[0], first[1], str(exc), path) from None
-    parser = make_parser(fmt)
+    reader = LineReader(make_parser(fmt))
     entries: list[Entry] = []
-    try:
-        for number, text in lines:
-            entries += parser.feed(text, number)
-        entries += parser.finish()
-    except LogParseError as exc:
-        raise LogParseError(exc.line, exc.text, exc.why, path) from None
-    if parser.recognised == 0 or not any(isinstance(e, LogStep) for e in entries):
+    for number, text in lines:
+        entries += reader.feed(text, number)
+    entries += reader.finish()
+    if not any(isinstance(e, LogStep) for e in entries):
         first = next(((n, t) for n, t in lines if t.strip()), (1, ""))
-        raise LogParseError(first[0], first[1], f"no line reads as a {fmt} log step", path)
-    return fmt, reason, entries
+        why = f"no line reads as a {fmt} log step"
+        if reader.unread.total:
+            why += f" ({reader.unread.summary()})"
+        raise LogParseError(first[0], first[1], why, path)
+    return fmt, reason, entries, reader
 
 
 def parse_file(path: str | os.PathLike[str], fmt: str = "auto") -> ParsedLog:
@@ -103,8 +125,9 @@ def parse_file(path: str | os.PathLike[str], fmt: str = "auto") -> ParsedLog:
     """
     data = Path(path).read_bytes()
     lines = list(iter_lines(data, os.fspath(path)))
-    chosen, reason, entries = parse_lines(lines, fmt, os.fspath(path))
-    return ParsedLog(os.fspath(path), chosen, reason, entries, hashlib.sha256(data).hexdigest())
+    chosen, reason, entries, reader = read_lines(lines, fmt, os.fspath(path))
+    return ParsedLog(os.fspath(path), chosen, reason, entries, hashlib.sha256(data).hexdigest(),
+                     reader.unread, dict(reader.inferred))  # fmt: skip
 
 
 @dataclass
@@ -144,6 +167,9 @@ def plan_runs(logs: list[ParsedLog], *, name: str | None = None,
                     current, why = [], f"restart at line {entry.line}: {entry.reason}"
                 elif entry.engine == key:
                     current.append(entry)
+            last = next((e.step for e in reversed(current) if isinstance(e, LogStep)), None)
+            current += [Finding(f["step"], f["data"], key)
+                        for f in findings(log.unread, log.inferred, last, 0.0)]  # fmt: skip
             if current:
                 runs[key].processes.append((log.path, why, current))
     return list(runs.values())
@@ -165,6 +191,8 @@ def batches(run: ImportedRun, log_format: str, project: str | None) -> Iterator[
                 steps.append(wire_step(entry))
             elif isinstance(entry, Checkpoint):
                 pending.append(event("checkpoint", entry.step, {"path": entry.path}))
+            elif isinstance(entry, Finding):
+                pending.append(event("finding", entry.step, entry.data))
             if len(steps) >= BATCH_STEPS:
                 yield _body(ref, stream, seq, steps, pending)
                 seq, steps, pending = seq + 1, [], []
@@ -241,7 +269,11 @@ def import_logs(
     logs = [parse_file(path, fmt) for path in paths]
     for parsed in logs:
         log(f"{parsed.path}: format {parsed.format} ({parsed.reason}); "
-            f"{len(parsed.steps)} steps, {len(parsed.checkpoints)} checkpoints")  # fmt: skip
+            f"{len(parsed.steps)} steps, {len(parsed.checkpoints)} checkpoints; "
+            f"{parsed.unread.summary()}")  # fmt: skip
+        if parsed.inferred:
+            log(f"{parsed.path}: inferred (the log does not print them): "
+                + "; ".join(f"{k}: {v}" for k, v in sorted(parsed.inferred.items())))  # fmt: skip
     runs = plan_runs(logs, name=target.name, run_id=target.run_id)
     report = ImportReport(logs, runs)
     bodies = (body for run in runs for body in batches(run, logs[0].format, target.project))

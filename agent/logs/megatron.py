@@ -44,14 +44,26 @@ _BANNERS = ("using world size:", "> initializing torch distributed")
 
 
 def _fields(line: str) -> dict[str, str]:
-    """Every `| name: value` field of an iteration line, by string splitting (no regex:
-    ~30% faster than a search per field; bench/import.py parses a million lines)."""
+    """Every `| name: value` field of an iteration line, and the older `| name value`
+    style (Megatron-LM before 2020: `| lm loss 2.3E+00 | loss scale 4096.0 |`), by string
+    splitting (no regex: ~30% faster than a search per field; bench/import.py parses a
+    million lines)."""
     fields = {}
     for part in line.split("|"):
         name, colon, value = part.partition(":")
         if colon:
             fields[name.strip()] = value.strip()
+        else:
+            name, _, value = part.strip().rpartition(" ")
+            if name:
+                fields[name.strip()] = value
     return fields
+
+
+#: The fields that make an iteration line a measured step (a line cut before all of them
+#: is not one).
+_VALUES = ("lm loss", "loss scale", "grad norm", "learning rate", "number of skipped iterations",
+           "number of nan iterations")  # fmt: skip
 
 
 def _value(fields: dict[str, str], name: str) -> float | None:
@@ -73,6 +85,7 @@ class MegatronParser:
 
     def __init__(self) -> None:
         self.recognised = 0
+        self.inferred: dict[str, str] = {}
         self._attempted: float | None = None  # an OVERFLOW line waiting for its iteration
         self._copies = RankCopies()
         self._last_step: int | None = None
@@ -104,13 +117,14 @@ class MegatronParser:
         return self._iteration(line, number, int(head.group(1)))
 
     def _iteration(self, line: str, number: int, step: int) -> list[Entry]:
-        out: list[Entry] = []
-        if self._banner or (self._last_step is not None and step <= self._last_step):
-            why = "start-up banner" if self._banner else f"iteration {step} after {self._last_step}"
-            out.append(Restart(number, why))
-            self._banner, self._logged_scale = False, None
-            self._last_step = None
+        if not line.rstrip().endswith("|"):
+            # Megatron ends every field with " |": the line was cut (a killed job's last
+            # line) or wrapped; what it holds may stop inside a number.
+            raise LogParseError(number, line, "an iteration line cut short", reason="cut")
         fields = _fields(line)
+        if not any(name in fields for name in _VALUES):
+            raise LogParseError(number, line, "an iteration line without values",
+                                reason="no value")  # fmt: skip
         try:
             skips = _value(fields, "number of skipped iterations") or 0.0
             nans = _value(fields, "number of nan iterations") or 0.0
@@ -119,8 +133,21 @@ class MegatronParser:
             norm = _value(fields, "grad norm")
             lr = _value(fields, "learning rate")
         except ValueError as exc:  # a number that does not read
-            raise LogParseError(number, line, str(exc)) from None
-        if loss is None and nans > 0:
+            raise LogParseError(number, line, str(exc), reason="unreadable value") from None
+        out: list[Entry] = []
+        if self._banner or (self._last_step is not None and step <= self._last_step):
+            why = "start-up banner" if self._banner else f"iteration {step} after {self._last_step}"
+            out.append(Restart(number, why))
+            self._banner, self._logged_scale = False, None
+            self._last_step = None
+        if nans > 0:
+            # Megatron averages only finite losses (and prints none when the average is
+            # not > 0): a non-finite loss shows only in this counter.
+            if loss is not None:
+                self.inferred["loss"] = (
+                    "NaN where 'number of nan iterations' > 0: Megatron's printed lm loss "
+                    "averages only the interval's finite losses"
+                )
             loss = float("nan")
         record = LogStep(step, loss=loss, loss_scale=logged, skipped=skips > 0,
                          grad_norm=norm or None, lr=lr, line=number)  # fmt: skip
@@ -133,6 +160,8 @@ class MegatronParser:
             and logged < self._logged_scale
         ):
             record.skipped, record.loss_scale, record.grad_norm = True, self._logged_scale, None
+            self.inferred["skipped"] = ("a scale logged lower than the previous iteration's "
+                                        "(no OVERFLOW line) marks a skip at the previous scale")  # fmt: skip
         self._attempted = None
         self._copies.boundary()
         self._logged_scale = logged

@@ -10,7 +10,7 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 #: A number as training logs print it: 2048, 2048.0, 1.5E-04, .5, 8.3e-317, nan, inf.
 NUMBER = r"([-+]?(?:\d+\.?\d*|\.\d+)(?:[eE][-+]?\d+)?|nan|-?inf)"
@@ -51,14 +51,27 @@ class Restart:
     reason: str
 
 
-Entry = LogStep | Checkpoint | Restart
+@dataclass(frozen=True, slots=True)
+class Finding:
+    """Something the reading says about the log itself (lines not read, values
+    inferred), sent as a `finding` event at `step` (`ampwatch.agent.logs.reader`)."""
+
+    step: int | None
+    data: dict[str, Any]
+    engine: str = ""
+
+
+Entry = LogStep | Checkpoint | Restart | Finding
 
 
 class LogParseError(ValueError):
     """A line that looks like the format's but does not read; names the file and line."""
 
-    def __init__(self, line: int, text: str, why: str, path: str = "") -> None:
+    def __init__(self, line: int, text: str, why: str, path: str = "", *,
+                 reason: str = "unreadable") -> None:  # fmt: skip
         self.line, self.text, self.why, self.path = line, text, why, path
+        #: A short category for counting skipped lines ("cut", "unreadable", ...).
+        self.reason = reason
         where = f"{path}:{line}" if path else f"line {line}"
         super().__init__(f"{where}: {why}: {text[:200]!r}")
 
@@ -70,6 +83,9 @@ class Parser(Protocol):
 
     format: str
     recognised: int
+    #: What the parser filled in that the log does not print: field -> how (named in the
+    #: stored run, `ampwatch.agent.logs.reader`).
+    inferred: dict[str, str]
 
     def feed(self, line: str, number: int) -> list[Entry]: ...
 

@@ -217,13 +217,12 @@ def test_auto_detection_chooses_and_says_why(name: str, expected: str) -> None:
     assert "line" in why and "marker" in why
 
 
-def test_an_unparseable_file_names_its_first_line() -> None:
+def test_a_file_without_a_step_names_its_first_line() -> None:
     with pytest.raises(LogParseError) as caught:
         parse_lines([(1, ""), (2, "hello world"), (3, "no log here")], "auto", "x.log")
     assert caught.value.line == 2 and "x.log:2" in str(caught.value)
+    # A line that does not read is skipped, not a refusal; with nothing else, no step reads.
     with pytest.raises(LogParseError) as bad:
         parse_lines([(1, " iteration 10/ 100 | lm loss: 1.2.3E+00 |")], "megatron", "y.log")
-    assert bad.value.line == 1 and "y.log:1" in str(bad.value)
-    with pytest.raises(LogParseError) as binary:
-        list(iter_lines(b"ok\n\xff\xfe\n", "z.log"))
-    assert binary.value.line == 2
+    assert bad.value.line == 1 and "1 unreadable value (line 1)" in str(bad.value)
+    assert list(iter_lines(b"ok\n\xff\xfe\n", "z.log")) == [(1, "ok"), (2, "\ufffd\ufffd")]
