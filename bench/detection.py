@@ -226,9 +226,7 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
     return all(marks.values()), lines
 
 
-def report_public(
-    verdicts: list[public_logs.Verdict], printed: list[public_logs.Replayed]
-) -> bool:
+def report_public(verdicts: list[public_logs.Verdict], printed: list[public_logs.Replayed]) -> bool:
     """The public-log corpus through `ampwatch import`: the per-file table, every bar
     missed in words, and the bars on the tuning part and on the held-back part apart. Then
     the alert engine alone: each labeled log's printed values (the corpus' own reading)
@@ -252,8 +250,10 @@ def report_public(
               f"{sum(len(v.values.contradicted) for v in chosen)} contradicted; "
               f"healthy steps {steps}, warnings {warnings} ({rate:.2f}/10k); incidents caught "
               f"{sum(v.caught(v.first_alert) for v in incidents)}/{len(incidents)}")  # fmt: skip
-        print(f"public-log bars ({part}): "
-              + "; ".join(f"{k} {'OK' if held else 'MISSED'}" for k, held in marks.items()))
+        print(
+            f"public-log bars ({part}): "
+            + "; ".join(f"{k} {'OK' if held else 'MISSED'}" for k, held in marks.items())
+        )
         ok = ok and all(marks.values())
     print("\nthe printed values themselves through the manual API (labeled logs):")
     for part in (False, True):
@@ -261,14 +261,18 @@ def report_public(
         healthy = [r for r in chosen if r.log.kind == "healthy"]
         steps = sum(r.span for r in healthy)
         warnings = sum(len(r.by_severity("warning")) for r in healthy)
-        critical = [r.log.name for r in chosen if r.log.kind != "incident" and r.by_severity("critical")]
+        critical = [
+            r.log.name for r in chosen if r.log.kind != "incident" and r.by_severity("critical")
+        ]
         incidents = [r for r in chosen if r.log.kind == "incident"]
         caught = [r for r in incidents if r.first_alert is not None
                   and r.log.deadline_step is not None and r.first_alert <= r.log.deadline_step]  # fmt: skip
         for r in chosen:
             if r.alerts:
-                print(f"  {r.log.name} [{r.log.kind}]: "
-                      + " ".join(f"{a['rule']}({a['severity']}@{a['fired_step']})" for a in r.alerts))
+                print(
+                    f"  {r.log.name} [{r.log.kind}]: "
+                    + " ".join(f"{a['rule']}({a['severity']}@{a['fired_step']})" for a in r.alerts)
+                )
         print(f"  {'held back' if part else 'tuning'}: healthy steps {steps}, warnings {warnings} "
               f"({1e4 * warnings / steps if steps else 0:.2f}/10k), criticals on calm logs "
               f"{critical or 'none'}, incidents caught {len(caught)}/{len(incidents)} "

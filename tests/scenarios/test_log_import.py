@@ -107,7 +107,7 @@ def test_a_bad_line_is_skipped_counted_and_stored_as_a_finding(live_collector, t
     assert main(["import", str(log), "--url", live_collector.url]) == 0
     out = capsys.readouterr().out
     assert "2 lines not read: 1 unreadable value (line 4); 1 cut (line 6)" in out
-    steps, events, _ = _counts(live_collector.database_url)
+    steps, _events, _ = _counts(live_collector.database_url)
     assert steps == 4
     engine = sa.create_engine(live_collector.database_url)
     with engine.connect() as db:
