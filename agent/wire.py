@@ -151,6 +151,12 @@ EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding")
 #: a low scale against it when it is there.
 MIN_LOSS_SCALE: Final = "min_loss_scale"
 
+#: `run_start`'s key saying the process's loss scaler already has a history when its first
+#: step arrives (an imported log excerpt that starts mid-run, a scaler restored from a
+#: checkpoint): true means its first skips are not warm-up calibration. Absent or false: the
+#: collector judges warm-up from the process's first steps (`rules.LossScaleCollapse`).
+SCALER_CALIBRATED: Final = "scaler_calibrated"
+
 #: `finding` events carry {"code": one of these, "message": str, ...details}.
 FINDING_CODES: Final = (
     "fp16_params_without_scaler",

@@ -30,9 +30,11 @@ def add_log_commands(sub: Any) -> None:
     """Add `import` and `follow` to the `ampwatch` subparsers `sub`."""
     imp = sub.add_parser(
         "import",
-        help="parse training logs (Megatron, DeepSpeed, HF, fairseq, metaseq, apex) into a run",
-        description="Parses every file first (nothing is sent if a line does not read), then "
-        "sends the run as the agent would. Importing the same files again stores nothing twice.",
+        help="parse training logs (Megatron, DeepSpeed, HF, fairseq, metaseq, apex, nanoGPT, "
+        "DLLogger, XLM, tqdm, generic key/value) into a run",
+        description="Parses every file first (a line that does not read is skipped, counted and "
+        "stored with the run; nothing is sent if no line reads as a step), then sends the run "
+        "as the agent would. Importing the same files again stores nothing twice.",
     )
     imp.add_argument("files", nargs="+", metavar="FILE", help="log files of one run, in order")
     imp.add_argument("--offline", metavar="OUT", help="only write batches to OUT (for upload)")

@@ -76,6 +76,9 @@ _MARKERS: tuple[tuple[str, _Marker], ...] = (
     ("apex", "reducing loss scale to"),
 )
 SNIFF_LINES = 5000
+#: `follow` settles on the generic parser after this many step lines with no format's
+#: marker among them (`import` reads the whole sniff window first).
+GENERIC_LINES = 10
 #: DeepSpeed's OVERFLOW line appears in Megatron-DeepSpeed and HF logs too: it decides
 #: for bare DeepSpeed only when no other format's marker is found.
 _GENERIC = "Skipping step. Attempted loss scale"
@@ -144,7 +147,7 @@ class Sniffer:
             counts["deepspeed"] = self.overflows
             self.first.setdefault("deepspeed", self.first[""])
         if not counts:
-            if self.generic and (final or self.generic >= 50):
+            if self.generic and (final or self.generic >= GENERIC_LINES):
                 number, marker, text = self.first["generic"]
                 return "generic", (
                     f"no known format's marker; {self.generic} line(s) print {marker}, the "

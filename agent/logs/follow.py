@@ -29,7 +29,14 @@ from ampwatch.agent import wire
 from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.logs.detect import SNIFF_LINES, Sniffer, make_parser
 from ampwatch.agent.logs.reader import LineReader, findings
-from ampwatch.agent.logs.records import Target, derived_id, event, run_start, step_sample
+from ampwatch.agent.logs.records import (
+    Target,
+    derived_id,
+    event,
+    run_start,
+    scaler_history,
+    step_sample,
+)
 from ampwatch.agent.logs.series import Checkpoint, Entry, Finding, LogStep, Restart
 from ampwatch.agent.logs.tail import LogTail
 from ampwatch.agent.spool import default_spool_dir
@@ -121,7 +128,7 @@ class Follower:
         for number, text in held:
             self._send(self._parser.feed(text, number))
 
-    def _sender(self, engine: str) -> Sender:
+    def _sender(self, engine: str, first: LogStep | None = None) -> Sender:
         sender = self._senders.get(engine)
         if sender is None:
             ref: wire.RunRef = {"client_run_id": self.client_run_id(engine),
@@ -132,8 +139,10 @@ class Follower:
             sender = Sender(ref, self._in_order, token=self._token, delivery=delivery,
                             flush_interval=self._flush_interval)  # fmt: skip
             sender.start()
-            sender.put(run_start(self.format or self._fmt, str(self.path), self._process,
-                                 self._restart_reason))  # fmt: skip
+            fmt = self.format or self._fmt
+            numbered = self._parser is None or "step" not in self._parser.inferred
+            sender.put(run_start(fmt, str(self.path), self._process, self._restart_reason,
+                                 scaler_history(fmt, first, numbered=numbered)))  # fmt: skip
             self._senders[engine] = sender
         return sender
 
@@ -171,7 +180,7 @@ class Follower:
                 self._process += 1
                 self._restart_reason = f"restart at line {entry.line}: {entry.reason}"
             elif isinstance(entry, LogStep):
-                self._sender(entry.engine).put(step_sample(entry))
+                self._sender(entry.engine, entry).put(step_sample(entry))
                 self.steps_sent += 1
                 self._last_step = entry.step
             elif isinstance(entry, Checkpoint):

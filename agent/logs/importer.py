@@ -31,7 +31,14 @@ from pathlib import Path
 from ampwatch.agent import wire
 from ampwatch.agent.logs.detect import detect_format, make_parser
 from ampwatch.agent.logs.reader import LineReader, Unread, findings
-from ampwatch.agent.logs.records import Target, derived_id, event, run_start, wire_step
+from ampwatch.agent.logs.records import (
+    Target,
+    derived_id,
+    event,
+    run_start,
+    scaler_history,
+    wire_step,
+)
 from ampwatch.agent.logs.series import (
     Checkpoint,
     Entry,
@@ -175,14 +182,19 @@ def plan_runs(logs: list[ParsedLog], *, name: str | None = None,
     return list(runs.values())
 
 
-def batches(run: ImportedRun, log_format: str, project: str | None) -> Iterator[bytes]:
-    """The run's gzip JSON batches, cut deterministically (see the module docstring)."""
+def batches(run: ImportedRun, log_format: str, project: str | None, *,
+            numbered: bool = True) -> Iterator[bytes]:  # fmt: skip
+    """The run's gzip JSON batches, cut deterministically (see the module docstring).
+    `numbered`: the log prints its step numbers (else the warm-up of a process is judged
+    from its first printed scale, `records.scaler_history`)."""
     ref: wire.RunRef = {"client_run_id": run.client_run_id, "name": run.name}
     if project is not None:
         ref["project"] = project
     for index, (path, why, entries) in enumerate(run.processes):
         stream = derived_id(run.client_run_id, "process", str(index))
-        pending: list[wire.EventRecord] = [run_start(log_format, path, index, why)]
+        first = next((e for e in entries if isinstance(e, LogStep)), None)
+        history = scaler_history(log_format, first, numbered=numbered)
+        pending: list[wire.EventRecord] = [run_start(log_format, path, index, why, history)]
         steps: list[wire.StepRecord] = []
         seq = 0
         last = index == len(run.processes) - 1
@@ -276,7 +288,9 @@ def import_logs(
                 + "; ".join(f"{k}: {v}" for k, v in sorted(parsed.inferred.items())))  # fmt: skip
     runs = plan_runs(logs, name=target.name, run_id=target.run_id)
     report = ImportReport(logs, runs)
-    bodies = (body for run in runs for body in batches(run, logs[0].format, target.project))
+    numbered = "step" not in logs[0].inferred
+    bodies = (body for run in runs
+              for body in batches(run, logs[0].format, target.project, numbered=numbered))  # fmt: skip
     if offline_file is not None:
         with open(offline_file, "ab") as out:
             out.writelines(encode_frame(body) for body in bodies)

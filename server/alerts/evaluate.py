@@ -38,7 +38,7 @@ from typing import Any
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import decode_float
+from ampwatch.agent.wire import SCALER_CALIBRATED, decode_float
 from ampwatch.server.alerts import rules, spikes
 from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
@@ -160,6 +160,7 @@ def _apply_events(
                 continue  # another rank's process: the followed one still runs
             state.reset_process()
             state.min_loss_scale = reported_floor(event.data)
+            state.calibrated_at_start = event.data.get(SCALER_CALIBRATED) is True
             state.last_step = None
             restarted = rank
             for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
@@ -259,7 +260,8 @@ def _evaluate_steps(
             d.clean_run = 0 if skipped else d.clean_run + 1
             d.process_steps = d.process_steps + 1
             d.cascade = d.cascade or skipped
-            if (d.clean_run >= collapse.calibration_clean_steps
+            if (d.calibrated_at_start
+                    or d.clean_run >= collapse.calibration_clean_steps
                     or s - d.first_step >= collapse.calibration_max_steps
                     or (not d.cascade
                         and d.process_steps >= collapse.calibration_start_steps)):  # fmt: skip

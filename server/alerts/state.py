@@ -53,6 +53,9 @@ class StepState:
     #: The loss scaler's configured floor, as this process's run_start reported it (None:
     #: not reported; the scale rules then fall back to min_scale and floor_max_scale).
     min_loss_scale: float | None = None
+    #: The process's run_start said its scaler has a history (`wire.SCALER_CALIBRATED`):
+    #: calibration ends at its first step.
+    calibrated_at_start: bool = False
     #: The scale of the last step, and its change points within the fall window.
     scale: float | None = None
     changes: list[list[Any]] = field(default_factory=list)

@@ -43,6 +43,9 @@ def _without_header(path: Path, tmp_path: Path) -> Path:
      "chinese-llama-534-min-scale", "tr8-104B-exp12-divergence", "apex-834-scale-to-zero"],
 )  # fmt: skip
 def test_import_fires_the_alerts_that_record_fires(name: str, live_collector, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """The same alerts as `handle.record()` on the same series; where the excerpt starts
+    mid-run (its run_start says the scaler has a history, which `record()` cannot say),
+    every rule `record()` fires fires too, and the first alert comes no later."""
     excerpt = load_excerpt(CORPUS / f"{name}.log")
     # The same series through handle.record(): without the scaler's floor, which the
     # corpus knows from its provenance header and the log itself does not print.
@@ -54,8 +57,15 @@ def test_import_fires_the_alerts_that_record_fires(name: str, live_collector, tm
     with httpx.Client(base_url=live_collector.url, timeout=30) as api:
         by_record = _alerts(api, recorded)
         by_import = _alerts(api, report.runs[0].client_run_id)
+        run = find_run(api, report.runs[0].client_run_id)
+        events = api.get(f"/api/v1/runs/{run['id']}/events").json()
     assert by_record, f"{name}: the incident fires nothing; the comparison would be empty"
-    assert by_import == by_record
+    starts = [e["data"] for e in events["events"] if e["kind"] == "run_start"]
+    if not any(d.get("scaler_calibrated") for d in starts):
+        assert by_import == by_record
+        return
+    assert {a[0] for a in by_record} <= {a[0] for a in by_import}
+    assert min(a[5] for a in by_import) <= min(a[5] for a in by_record)
 
 
 def test_two_engines_import_as_two_runs_with_their_own_alerts(live_collector) -> None:  # type: ignore[no-untyped-def]
@@ -107,7 +117,7 @@ def test_a_bad_line_is_skipped_counted_and_stored_as_a_finding(live_collector, t
     assert main(["import", str(log), "--url", live_collector.url]) == 0
     out = capsys.readouterr().out
     assert "2 lines not read: 1 unreadable value (line 4); 1 cut (line 6)" in out
-    steps, _events, _ = _counts(live_collector.database_url)
+    steps, _, _ = _counts(live_collector.database_url)
     assert steps == 4
     engine = sa.create_engine(live_collector.database_url)
     with engine.connect() as db:
@@ -129,3 +139,24 @@ def test_a_healthy_deepspeed_chat_log_raises_no_critical(live_collector, tmp_pat
     with httpx.Client(base_url=live_collector.url, timeout=30) as api:
         alerts = _alerts(api, report.runs[0].client_run_id)
     assert [a for a in alerts if a[2] == "critical"] == []
+
+
+def test_an_overflow_storm_from_mid_run_is_not_warm_up(live_collector, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    """apex prints no step: an excerpt of 12 overflows from a run many epochs in (its first
+    attempted scale 16384, not apex's initial 65536) was numbered from 1 and judged as
+    warm-up calibration, so the storm passed unflagged. The run_start now says the scaler
+    has a history (`wire.SCALER_CALIBRATED`): 10 skips in a row fire. A run that starts at
+    apex's initial scale is still warm-up. (Lines in apex's format, "Gradient overflow.
+    Skipping step, loss scaler 0 reducing loss scale to X".)"""
+    line = "Gradient overflow.  Skipping step, loss scaler 0 reducing loss scale to {}\n"
+    mid = tmp_path / "mid.log"
+    mid.write_text("".join(line.format(2.0 ** (13 - i)) for i in range(12)))
+    fresh = tmp_path / "fresh.log"
+    fresh.write_text("".join(line.format(2.0 ** (15 - i)) for i in range(12)))
+    with httpx.Client(base_url=live_collector.url, timeout=30) as api:
+        fired = {}
+        for log in (mid, fresh):
+            report = import_logs([str(log)], Target(live_collector.url), log=lambda _: None)
+            fired[log.stem] = {a[0] for a in _alerts(api, report.runs[0].client_run_id)}
+    assert "loss_scale_collapse" in fired["mid"]
+    assert fired["fresh"] == set()
