@@ -82,7 +82,7 @@ class DeepSpeedParser:
             self._configure(scaler_settings(line), f"the config print on line {number}")
             return []
         if "step" not in line and "iteration" not in line:
-            if self._engine_open and "[" in line:
+            if self._engine_open and self._engine.needs_time and "[" in line:
                 self._engine.seen_time(_seconds(line))
             return []
         if "|step: " in line and (m := _RLHF.search(line)) is not None:
@@ -99,7 +99,7 @@ class DeepSpeedParser:
             out = self._decide("engine")
             self._engine.exact(int(m.group(1)))
             return out
-        if self._engine_open:
+        if self._engine_open and self._engine.needs_time:
             self._engine.seen_time(_seconds(line))
         return []
 

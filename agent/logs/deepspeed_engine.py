@@ -80,6 +80,11 @@ class EngineSteps:
 
     # -- what the lines say -------------------------------------------------------------
 
+    @property
+    def needs_time(self) -> bool:
+        """The log's first time stamp is not known yet (the process start, `_pace`)."""
+        return self._first_time is None
+
     def seen_time(self, stamp: float | None) -> None:
         if stamp is not None and self._first_time is None:
             self._first_time = stamp

@@ -112,7 +112,8 @@ def scaler_settings(line: str) -> dict[str, float]:
 class RankCopies:
     """Drops the copies of one OVERFLOW line that other ranks print.
 
-    With launcher prefixes, only the lowest rank seen is kept. Without them, a repeat of
+    With launcher prefixes, only the lowest rank seen is kept; without them, the lowest
+    rank the text names (``OVERFLOW! Rank 3``), and among its lines a repeat of
     the same transition (same attempted scale, same reduction, same hysteresis) right after
     the first is another rank's copy: one scaler never makes the same transition twice in a
     row, since each one changes its scale or its hysteresis -- except at a floor ("reducing

@@ -9,7 +9,7 @@ import pytest
 from alert_feed import Feed, calibration, finding, healthy, layer_sample
 from wire_batches import step_record
 
-from ampwatch.agent.wire import FP8_STATS
+from ampwatch.agent.wire import FP8_STATS, SCALER_CALIBRATED
 
 
 def halving_skips(first: int, count: int, scale: float) -> list:
@@ -393,3 +393,19 @@ def test_fp8_readiness_records_are_not_gradient_samples(feed: Feed) -> None:
         feed.send(healthy(start, 100), samples)
     (alert,) = feed.alerts(rule="silent_underflow")
     assert (alert.layer, alert.status, alert.started_step) == ("norm.weight", "firing", 1)
+
+
+def test_a_process_whose_scaler_has_a_history_is_not_calibrating(feed: Feed) -> None:
+    """A run_start with `scaler_calibrated` (an imported log excerpt that starts mid-run):
+    12 skips at the process's first steps are a collapse, not warm-up; the same steps
+    without it are warm-up calibration, and quiet."""
+    start = {"kind": "run_start", "step": None, "time": 1.0,
+             "data": {"rank": 0, SCALER_CALIBRATED: True}}  # fmt: skip
+    feed.send(events=[start])
+    feed.send_steps(halving_skips(1, 12, 16384.0))
+    assert feed.state()["calibrating"] is False
+    assert ("loss_scale_collapse", "") in feed.rules()
+    fresh = Feed(feed.sessions, client_run_id="run-fresh")
+    fresh.send(events=[{**start, "data": {"rank": 0}}])
+    fresh.send_steps(halving_skips(1, 12, 16384.0))
+    assert fresh.state()["calibrating"] is True and fresh.alerts() == []
