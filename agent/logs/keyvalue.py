@@ -6,14 +6,21 @@ Each measured field has its names, matched case-insensitively as whole words:
 
 - step: ``step``, ``global_step``, ``iter``, ``iteration``, ``it``, ``Training Iteration``
 - loss: ``loss``, ``train loss``, ``train_loss``, ``lm loss``, ``step_loss``, ``total_loss``
-  (never ``val loss``, ``eval_loss``, ``valid loss``, ``test loss``, nor ``loss scale``)
+  (never ``val loss``, ``eval_loss``, ``valid loss``, ``test loss``, nor ``loss scale``).
+  A line that prints none of these but exactly one other loss-named key (``loss_net``,
+  ``noise_step_loss``, ``losses/total_loss``: ``loss_*``, ``*_loss``, ``*/loss``) has that
+  key as its loss; with several such keys (``loss_cls``, ``loss_bbox``: parts of a loss
+  the line does not total) none is taken: which one the run watches is not for the reader
+  to guess.
 - loss scale: ``loss scale``, ``loss_scale``, ``lossscale``, ``scale``, ``cur_scale``
 - lr: ``lr``, ``learning rate``, ``learning_rate`` (a list ``lr=[1e-4, ...]``: its first)
 - grad norm: ``grad norm``, ``grad_norm``, ``gnorm``, ``gradient norm``
 - skipped: ``skipped``, ``overflow`` (a 0/1 flag, True/False, or a counter that rises)
 - nan: a loss printed ``nan``/``inf`` is stored non-finite (NaN is a value, not a gap).
 
-A number is anything float() reads as training logs print it (``1.5E-04``, ``nan``).
+A separator is ``:``, ``=``, spaces, or `` is `` (BigDL/ipex-llm's ``Loss is Infinity``).
+A number is anything float() reads as training logs print it (``1.5E-04``, ``nan``,
+``Infinity``).
 """
 
 from __future__ import annotations
@@ -21,13 +28,15 @@ from __future__ import annotations
 import re
 from dataclasses import dataclass
 
+from ampwatch.agent.logs.deepspeed_lines import OVERFLOW_MARK, RankCopies, overflow
 from ampwatch.agent.logs.series import NUMBER, Entry, LogStep, Restart, measured_scale
 
-_SEP = r"\s*(?:[:=]\s*|\s+)\[?\s*"
+_SEP = r"\s*(?:[:=]\s*|\s+is\s+|\s+)\[?\s*"
+_VALUE = NUMBER.replace("-?inf", "-?inf(?:inity)?")
 _WORD = r"(?<![A-Za-z0-9_.\-])"
 
 
-def _field(names: str, value: str = NUMBER) -> re.Pattern[str]:
+def _field(names: str, value: str = _VALUE) -> re.Pattern[str]:
     return re.compile(_WORD + "(?:" + names + ")" + _SEP + value, re.IGNORECASE)
 
 
@@ -35,7 +44,14 @@ STEP = _field(r"global[_ ]step|training iteration|iteration|iter|step|it", r"(\d
 LOSS = re.compile(
     _WORD + r"(?<!val )(?<!val_)(?<!eval )(?<!eval_)(?<!valid )(?<!valid_)(?<!test )(?<!test_)"
     r"(?:train[_ ]loss|training[_ ]loss|lm[_ ]loss|step_loss|total_loss|loss)(?![_ ]?scale)"
-    + _SEP + NUMBER, re.IGNORECASE)  # fmt: skip
+    + _SEP + _VALUE, re.IGNORECASE)  # fmt: skip
+#: Other loss-named keys: `loss_net`, `noise_step_loss`, `losses/total_loss` (not a
+#: validation loss, not the loss scale).
+_OTHER_LOSS = re.compile(
+    r"(?<![A-Za-z0-9_.\-])((?:[A-Za-z0-9]+[_/.])*(?:loss(?:es)?[_/.][A-Za-z0-9_/.]*|"
+    r"[A-Za-z0-9]+_loss))" + _SEP + _VALUE, re.IGNORECASE)  # fmt: skip
+_NOT_A_LOSS = re.compile(r"(?:^|[_/.])(?:val|valid|eval|test)[_/.]|^(?:val|eval|test|valid)_|"
+                         r"scale", re.IGNORECASE)  # fmt: skip
 SCALE = _field(r"loss[_ ]?scale|cur_scale|scale")
 LR = _field(r"learning[_ ]rate|lr")
 NORM = _field(r"grad(?:ient)?[_ ]norm|gnorm")
@@ -63,13 +79,27 @@ class Values:
         return any(v is not None for v in (self.loss, self.loss_scale, self.grad_norm))
 
 
+def other_loss(line: str) -> tuple[str, float] | None:
+    """(key, value) of the line's one loss-named key that is not a standard name; None
+    when it has none or several (parts of a loss: which one counts is not printed)."""
+    found = {m.group(1): m.group(2) for m in _OTHER_LOSS.finditer(line)
+             if _NOT_A_LOSS.search(m.group(1)) is None}  # fmt: skip
+    if len(found) != 1:
+        return None
+    [(key, text)] = found.items()
+    return key, float(text)
+
+
 def values(line: str) -> Values:
     """The fields `line` prints."""
     step = STEP.search(line)
     skipped = SKIPPED.search(line)
+    loss = _number(LOSS, line)
+    if loss is None and "loss" in line.lower() and (other := other_loss(line)) is not None:
+        loss = other[1]
     return Values(
         None if step is None else int(step.group(1)),
-        _number(LOSS, line),
+        loss,
         _number(SCALE, line),
         _number(LR, line),
         _number(NORM, line),
@@ -143,6 +173,7 @@ def _validation(line: str) -> bool:
     ) is None
 
 
+_OVERFLOW_AT = re.compile(r"OVERFLOW!|Overflow detected\.")
 #: tqdm's bar: ``N/TOTAL [elapsed<left, rate, key=value, ...]``.
 _BAR = re.compile(r"(\d+)/(\d+|\?) \[([^\]]*)\]")
 
@@ -152,7 +183,9 @@ class TqdmParser:
     the step is the bar's counter, the values its postfix. Every ``\\r`` is a redraw:
     the last drawing of a counter wins, and a step is final once a later counter is drawn.
     A bar that starts again (a new epoch's) continues the count of the one before
-    (inference, named in `inferred`)."""
+    (inference, named in `inferred`). DeepSpeed's OVERFLOW lines among the bars (glued to a
+    redraw, or on their own line) mark the next counted step skipped at the attempted
+    scale; the scale of other steps is not printed (None)."""
 
     format = "tqdm"
 
@@ -164,16 +197,26 @@ class TqdmParser:
         self._offset = 0
         self._last_counter: int | None = None
         self._last_total: int | None = None
+        self._copies = RankCopies()
+        self._attempted: float | None = None  # an OVERFLOW line waiting for its step
 
     def feed(self, line: str, number: int) -> list[Entry]:
         out: list[Entry] = []
         for part in line.split("\r"):
-            for bar in _BAR.finditer(part):
+            # A redraw may carry a bar and then DeepSpeed's OVERFLOW line glued to it (no
+            # newline between them): the bar first, then the overflow (the next step's).
+            cut = _OVERFLOW_AT.search(part) if OVERFLOW_MARK in part else None
+            head, tail = (part[: cut.start()], part[cut.start() :]) if cut else (part, "")
+            for bar in _BAR.finditer(head):
                 found = values(bar.group(3))
                 if not found.measured:
                     continue
                 self.recognised += 1
                 out += self._bar(int(bar.group(1)), bar.group(2), found, number)
+            if tail and (seen := overflow(tail)) is not None:
+                self.recognised += 1
+                if self._copies.keep(seen) and self._attempted is None:
+                    self._attempted = seen.attempted
         return out
 
     def _bar(self, counter: int, total: str, found: Values, number: int) -> list[Entry]:
@@ -185,6 +228,14 @@ class TqdmParser:
         self._last_total = int(total) if total.isdigit() else None
         step = self._offset + counter
         record = step_of(step, found, self._flags, number)
+        if self._attempted is not None and (self._held is None or self._held.step != step):
+            # tqdm draws counter N after step N: an OVERFLOW line after it is step N + 1's
+            # (before the first bar: the first bar's step). The attempt ran at its scale.
+            record.skipped, record.loss_scale = True, self._attempted
+            self._attempted = None
+            self._copies.boundary()
+        elif self._held is not None and self._held.step == step and self._held.skipped:
+            record.skipped, record.loss_scale = True, self._held.loss_scale
         out: list[Entry] = []
         if self._held is not None and self._held.step != step:
             out.append(self._held)
@@ -194,3 +245,49 @@ class TqdmParser:
     def finish(self) -> list[Entry]:
         held, self._held = self._held, None
         return [held] if held is not None else []
+
+
+#: mmcv's TextLoggerHook and mmengine's LoggerHook: ``Epoch [E][I/N]`` (``Epoch(train)
+#: [E][ I/N]``) for epoch-based runners, ``Iter [I/N]`` (``Iter(train) [ I/N]``) otherwise.
+MMDET = re.compile(r"Epoch(?:\(train\))?\s*\[(\d+)\]\s*\[\s*(\d+)/(\d+)\]"
+                   r"|Iter(?:\(train\))?\s*\[\s*(\d+)/(\d+)\]")  # fmt: skip
+
+
+class MmdetParser:
+    """OpenMMLab's training lines (mmdet, mmseg, BEVDet...): ``Epoch [1][50/3862]\tlr: ...,
+    loss_cls: ..., loss: 0.52, grad_norm: 3.1``. The values are read as the generic reader
+    reads them (``loss`` is the line's total; its parts ``loss_*`` are not stored). The
+    step of an epoch-based line is (E - 1) * N + I, the runner's global iteration when
+    every epoch has N iterations (inference, named in `inferred`); an iteration-based line
+    prints it."""
+
+    format = "mmdet"
+
+    def __init__(self) -> None:
+        self.recognised = 0
+        self.inferred: dict[str, str] = {}
+        self._flags = SkipFlags()
+        self._last: int | None = None
+
+    def feed(self, line: str, number: int) -> list[Entry]:
+        if (m := MMDET.search(line)) is None or "val" in line[: m.start()].lower():
+            return []
+        found = values(line[m.end() :])
+        if not found.measured:
+            return []
+        self.recognised += 1
+        if m.group(1) is not None:
+            step = (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2))
+            self.inferred["step"] = ("(epoch - 1) * iterations per epoch + the epoch's "
+                                     "iteration, as mmcv's runner counts")  # fmt: skip
+        else:
+            step = int(m.group(4))
+        out: list[Entry] = []
+        if self._last is not None and step <= self._last:
+            out.append(Restart(number, f"iteration {step} after {self._last}"))
+        self._last = step
+        out.append(step_of(step, found, self._flags, number))
+        return out
+
+    def finish(self) -> list[Entry]:
+        return []
