@@ -149,7 +149,7 @@ class GenericParser:
 
     def feed(self, line: str, number: int) -> list[Entry]:
         found = values(line)
-        if found.step is None or not found.measured or _validation(line):
+        if found.step is None or not found.measured or _validation(line, found):
             return []
         if found.step == self._last:
             return []  # another print of the same step (a summary line): the first one stands
@@ -165,12 +165,10 @@ class GenericParser:
         return []
 
 
-def _validation(line: str) -> bool:
+def _validation(line: str, found: Values) -> bool:
     """An evaluation line ("val loss 2.1 at step 500"): not a training step."""
     lowered = line.lower()
-    return ("val" in lowered or "eval" in lowered or "test" in lowered) and LOSS.search(
-        line
-    ) is None
+    return ("val" in lowered or "eval" in lowered or "test" in lowered) and found.loss is None
 
 
 _OVERFLOW_AT = re.compile(r"OVERFLOW!|Overflow detected\.")

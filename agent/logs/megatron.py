@@ -18,7 +18,8 @@ What the lines mean (each seen in the public logs of tests/data/):
   the interval's sum (a skipped one's only to the nan counter when it is not finite) and
   prints ``key: avg`` only ``if avg > 0.0``. So on a line of a process that printed the
   field before, a missing field means either every iteration of the interval was skipped
-  (the skip counter covers the interval: nothing measured, the step is a skip) or the
+  (the skip counter covers the interval, or a one-iteration interval shows a skip by an
+  OVERFLOW line or a falling scale: nothing measured, the step is a skip) or the
   average over applied iterations is not > 0: NaN (a bf16 run's NaN, whose counters stay
   0), or exactly 0, which a cross-entropy average never is in practice. The second is
   stored as a NaN loss, named in `inferred` (issue 31: Megatron-LLM #33's Falcon-40B NaN
@@ -149,15 +150,6 @@ class MegatronParser:
             self._banner, self._logged_scale = False, None
             self._last_step = None
             self._loss_names = set()
-        if loss is not None:
-            self._loss_names.add("lm loss")
-        elif self._loss_names and not self._all_skipped(step, fields, skips):
-            loss = float("nan")
-            self.inferred["loss"] = (
-                "NaN where a line leaves out the lm loss earlier lines printed and not every "
-                "iteration of its interval was skipped: Megatron prints a loss only when its "
-                "interval average is > 0 (a NaN average is not)"
-            )
         if nans > 0:
             # Megatron averages only finite losses (and prints none when the average is
             # not > 0): a non-finite loss shows only in this counter.
@@ -180,6 +172,15 @@ class MegatronParser:
             record.skipped, record.loss_scale, record.grad_norm = True, self._logged_scale, None
             self.inferred["skipped"] = ("a scale logged lower than the previous iteration's "
                                         "(no OVERFLOW line) marks a skip at the previous scale")  # fmt: skip
+        if loss is not None:
+            self._loss_names.add("lm loss")
+        elif self._loss_names and not self._all_skipped(step, record.skipped, skips):
+            record.loss = float("nan")
+            self.inferred["loss"] = (
+                "NaN where a line leaves out the lm loss earlier lines printed and not every "
+                "iteration of its interval was skipped: Megatron prints a loss only when its "
+                "interval average is > 0 (a NaN average is not)"
+            )
         self._attempted = None
         self._copies.boundary()
         self._logged_scale = logged
@@ -187,12 +188,14 @@ class MegatronParser:
         out.append(record)
         return out
 
-    def _all_skipped(self, step: int, fields: dict[str, str], skips: float) -> bool:
-        """The skip counter covers every iteration since the previous line (the interval's
-        length is known only from a previous line of this process)."""
-        if "number of skipped iterations" not in fields or self._last_step is None:
+    def _all_skipped(self, step: int, skipped: bool, skips: float) -> bool:
+        """Every iteration since the previous line of this process was skipped: the skip
+        counter covers the interval, or the interval is one iteration and it was skipped
+        (an OVERFLOW line, or a scale logged lower: Megatron-DeepSpeed's counter reads 0)."""
+        if self._last_step is None:
             return False
-        return skips >= step - self._last_step
+        interval = step - self._last_step
+        return skips >= interval or (interval == 1 and skipped)
 
     def finish(self) -> list[Entry]:
         return []
