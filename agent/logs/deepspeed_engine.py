@@ -235,9 +235,8 @@ class EngineSteps:
                 if known and self._scale is not None and self._scale != skip.attempted:
                     self.contradicted += 1
                 out.append(LogStep(attempt, loss_scale=skip.attempted, skipped=True))
-                self._scale = skip.after if skip.after is not None else (
-                    skip.attempted if known else self._scale
-                )
+                if skip.after is not None or known:
+                    self._scale = skip.after if skip.after is not None else skip.attempted
                 self._last_overflow = attempt
                 continue
             if not only_skips:
