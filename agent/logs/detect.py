@@ -74,6 +74,7 @@ _MARKERS: tuple[tuple[str, _Marker], ...] = (
     ("olmo", OLMO_HEADER),
     ("mmdet", MMDET),
     ("tqdm", re.compile(r"\d+/(?:\d+|\?) \[[^\]]*(?:it/s|s/it), [\w ]+=")),
+    ("tqdm", re.compile(r"loss[\w/]*[:=] ?[-+\w.]+[^\]]*\]:\s+\d+%\|")),
     ("hf", "{'loss':"),
     ("hf", "/it]"),
     ("hf", "it/s]"),

@@ -172,8 +172,29 @@ def _validation(line: str, found: Values) -> bool:
 
 
 _OVERFLOW_AT = re.compile(r"OVERFLOW!|Overflow detected\.")
-#: tqdm's bar: ``N/TOTAL [elapsed<left, rate, key=value, ...]``.
-_BAR = re.compile(r"(\d+)/(\d+|\?) \[([^\]]*)\]")
+#: How far an OVERFLOW line wrapped by a terminal may be cut: before its attempted scale.
+_CUT_OVERFLOW = re.compile(r"Skipping step\.(?: Attempted(?: loss(?: s\w*)?)?)?\s*$")
+
+
+def _cut_overflow(text: str) -> bool:
+    """An OVERFLOW line that ends before its numbers (the rest is on the next line)."""
+    return _CUT_OVERFLOW.search(text) is not None
+
+
+def _described(text: str) -> Values:
+    """The values of a bar's description (``[loss: 1.2 | ...]:  16%|██  |``), or nothing
+    when the text before the bar is not one."""
+    if _DESCRIBED.search(text) is None:
+        return Values(None, None, None, None, None, None)
+    return values(text)
+
+
+#: tqdm's bar: ``N/TOTAL [elapsed<left, rate, key=value, ...]`` (its end cut off where the
+#: terminal wrapped the line: the postfix up to the line's end).
+_BAR = re.compile(r"(\d+)/(\d+|\?) \[([^\]]*)(?:\]|$)")
+#: A description holding the values instead of a postfix (trlx: ``[losses/total_loss: 1.64
+#: | losses/policy_loss: 0.12]:  16%|███  | 1024/6400 [...]``): the text before the bar.
+_DESCRIBED = re.compile(r"\|\s*$")
 
 
 class TqdmParser:
@@ -181,9 +202,12 @@ class TqdmParser:
     the step is the bar's counter, the values its postfix. Every ``\\r`` is a redraw:
     the last drawing of a counter wins, and a step is final once a later counter is drawn.
     A bar that starts again (a new epoch's) continues the count of the one before
-    (inference, named in `inferred`). DeepSpeed's OVERFLOW lines among the bars (glued to a
-    redraw, or on their own line) mark the next counted step skipped at the attempted
-    scale; the scale of other steps is not printed (None)."""
+    (inference, named in `inferred`). A bar whose postfix holds no value is read from its
+    description (trlx: ``[losses/total_loss: 1.64 | ...]:  16%|██ | 1024/6400 [...]``); a
+    bar cut by the terminal's wrap is read up to the line's end. DeepSpeed's OVERFLOW lines
+    among the bars (glued to a redraw, on their own line, or wrapped onto the next line)
+    mark the next counted step skipped at the attempted scale; the scale of other steps is
+    not printed (None)."""
 
     format = "tqdm"
 
@@ -197,24 +221,36 @@ class TqdmParser:
         self._last_total: int | None = None
         self._copies = RankCopies()
         self._attempted: float | None = None  # an OVERFLOW line waiting for its step
+        self._wrapped = ""  # an OVERFLOW line cut by the terminal, waiting for its end
 
     def feed(self, line: str, number: int) -> list[Entry]:
         out: list[Entry] = []
-        for part in line.split("\r"):
+        if self._wrapped:
+            # The terminal wrapped an OVERFLOW line ("... Attempted loss sc" / "ale: 4096.0,
+            # reducing to 2048.0"): its end is this line's start.
+            line, self._wrapped = self._wrapped + line, ""
+        parts = line.split("\r")
+        for index, part in enumerate(parts):
             # A redraw may carry a bar and then DeepSpeed's OVERFLOW line glued to it (no
             # newline between them): the bar first, then the overflow (the next step's).
             cut = _OVERFLOW_AT.search(part) if OVERFLOW_MARK in part else None
             head, tail = (part[: cut.start()], part[cut.start() :]) if cut else (part, "")
+            start = 0
             for bar in _BAR.finditer(head):
                 found = values(bar.group(3))
+                if not found.measured:
+                    found = _described(head[start : bar.start()])
+                start = bar.end()
                 if not found.measured:
                     continue
                 self.recognised += 1
                 out += self._bar(int(bar.group(1)), bar.group(2), found, number)
             if tail and (seen := overflow(tail)) is not None:
                 self.recognised += 1
-                if self._copies.keep(seen) and self._attempted is None:
-                    self._attempted = seen.attempted
+                if self._copies.keep(seen):
+                    out += self._overflow(seen.attempted, number)
+            elif tail and index == len(parts) - 1 and _cut_overflow(tail):
+                self._wrapped = tail
         return out
 
     def _bar(self, counter: int, total: str, found: Values, number: int) -> list[Entry]:
@@ -225,14 +261,14 @@ class TqdmParser:
         self._last_counter = counter
         self._last_total = int(total) if total.isdigit() else None
         step = self._offset + counter
+        self._copies.boundary()
         record = step_of(step, found, self._flags, number)
-        if self._attempted is not None and (self._held is None or self._held.step != step):
-            # tqdm draws counter N after step N: an OVERFLOW line after it is step N + 1's
-            # (before the first bar: the first bar's step). The attempt ran at its scale.
+        if self._attempted is not None:  # an OVERFLOW line before the first bar: its step
             record.skipped, record.loss_scale = True, self._attempted
             self._attempted = None
-            self._copies.boundary()
-        elif self._held is not None and self._held.step == step and self._held.skipped:
+        elif self._held is not None and self._held.skipped and self._held.step >= step:
+            if self._held.step > step:
+                return []  # a redraw of the counter before the skipped step: nothing new
             record.skipped, record.loss_scale = True, self._held.loss_scale
         out: list[Entry] = []
         if self._held is not None and self._held.step != step:
@@ -240,8 +276,25 @@ class TqdmParser:
         self._held = record
         return out
 
+    def _overflow(self, attempted: float, number: int) -> list[Entry]:
+        """tqdm draws counter N after step N: an OVERFLOW line after it is step N + 1's
+        (after a skipped step N + 1 not drawn yet: N + 2's; before the first bar: the first
+        bar's step). The attempt ran at the printed scale."""
+        if self._last_counter is None:
+            self._attempted = self._attempted or attempted
+            return []
+        step = self._offset + self._last_counter + 1
+        held = self._held
+        if held is not None and held.skipped and held.step >= step:
+            step = held.step + 1
+        out: list[Entry] = [held] if held is not None else []
+        self._held = LogStep(step, loss_scale=attempted, skipped=True, line=number)
+        return out
+
     def finish(self) -> list[Entry]:
         held, self._held = self._held, None
+        if self._attempted is not None:  # OVERFLOW lines and no bar after them
+            held, self._attempted = LogStep(1, loss_scale=self._attempted, skipped=True), None
         return [held] if held is not None else []
 
 

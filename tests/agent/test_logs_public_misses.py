@@ -177,3 +177,23 @@ def test_mmdet_epoch_and_iteration_lines() -> None:
     assert steps[1].step == 650 and "mmcv's runner" in inferred["step"]
     iters, _, _ = feed("mmdet", "Iter [1000/90000]\tlr: 1.0e-02, loss_ce: 2.1, loss: 2.1")
     assert [(s.step, s.loss) for s in iters] == [(1000, 2.1)]
+
+
+def test_tqdm_reads_a_description_a_cut_bar_and_a_wrapped_overflow_line() -> None:
+    """trlx-style bars: the values in the description, no postfix; the terminal cut the
+    bar and wrapped DeepSpeed's OVERFLOW line after 'Attempted loss sc' (trlx #319: 0 of
+    its 8 values were stored before)."""
+    ds = "[2023-03-01 10:00:00,000] [INFO] [stage_1_and_2.py:1762:step] [deepspeed] "
+    text = "\n".join([
+        "[losses/total_loss: 0.51 | losses/policy_loss: 0.10]:   1%|   | 30/4000 [05:00<11:00:00, 10"
+        ".0s/it]",
+        ds + "OVERFLOW! Rank 0 Skipping step. Attempted loss sc",
+        "ale: 16384.0, reducing to 8192.0",
+        "[losses/total_loss: 0.47 | losses/policy_loss: 0.09]:   1%|   | 31/4000 [05:10<11:00:00, 9.9",
+        ds + "OVERFLOW! Rank 0 Skipping step. Attempted loss scale: 8192.0, reducing to 4096.0",
+        "[rollout 64 / 64]: 100%|██████████| 64/64 [00:30<00:00,  2.10it/s]",
+    ])  # fmt: skip
+    steps, _, _ = feed("tqdm", text)
+    assert [(s.step, s.loss, s.loss_scale, s.skipped) for s in steps] == [
+        (30, 0.51, None, False), (31, 0.47, 16384.0, True), (32, None, 8192.0, True)
+    ]  # fmt: skip
