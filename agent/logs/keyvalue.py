@@ -151,14 +151,17 @@ class GenericParser:
         found = values(line)
         if found.step is None or not found.measured or _validation(line, found):
             return []
-        if found.step == self._last:
+        return self._step(found.step, found, number)
+
+    def _step(self, step: int, found: Values, number: int) -> list[Entry]:
+        if step == self._last:
             return []  # another print of the same step (a summary line): the first one stands
         self.recognised += 1
         out: list[Entry] = []
-        if self._last is not None and found.step < self._last:
-            out.append(Restart(number, f"step {found.step} after {self._last}"))
-        self._last = found.step
-        out.append(step_of(found.step, found, self._flags, number))
+        if self._last is not None and step < self._last:
+            out.append(Restart(number, f"step {step} after {self._last}"))
+        self._last = step
+        out.append(step_of(step, found, self._flags, number))
         return out
 
     def finish(self) -> list[Entry]:
@@ -304,21 +307,15 @@ MMDET = re.compile(r"Epoch(?:\(train\))?\s*\[(\d+)\]\s*\[\s*(\d+)/(\d+)\]"
                    r"|Iter(?:\(train\))?\s*\[\s*(\d+)/(\d+)\]")  # fmt: skip
 
 
-class MmdetParser:
+class MmdetParser(GenericParser):
     """OpenMMLab's training lines (mmdet, mmseg, BEVDet...): ``Epoch [1][50/3862]\tlr: ...,
     loss_cls: ..., loss: 0.52, grad_norm: 3.1``. The values are read as the generic reader
     reads them (``loss`` is the line's total; its parts ``loss_*`` are not stored). The
     step of an epoch-based line is (E - 1) * N + I, the runner's global iteration when
     every epoch has N iterations (inference, named in `inferred`); an iteration-based line
-    prints it."""
+    prints it. Restarts and repeated steps as in the generic reader."""
 
     format = "mmdet"
-
-    def __init__(self) -> None:
-        self.recognised = 0
-        self.inferred: dict[str, str] = {}
-        self._flags = SkipFlags()
-        self._last: int | None = None
 
     def feed(self, line: str, number: int) -> list[Entry]:
         if (m := MMDET.search(line)) is None or "val" in line[: m.start()].lower():
@@ -326,19 +323,9 @@ class MmdetParser:
         found = values(line[m.end() :])
         if not found.measured:
             return []
-        self.recognised += 1
-        if m.group(1) is not None:
-            step = (int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2))
-            self.inferred["step"] = ("(epoch - 1) * iterations per epoch + the epoch's "
-                                     "iteration, as mmcv's runner counts")  # fmt: skip
-        else:
-            step = int(m.group(4))
-        out: list[Entry] = []
-        if self._last is not None and step <= self._last:
-            out.append(Restart(number, f"iteration {step} after {self._last}"))
-        self._last = step
-        out.append(step_of(step, found, self._flags, number))
-        return out
-
-    def finish(self) -> list[Entry]:
-        return []
+        if m.group(1) is None:
+            return self._step(int(m.group(4)), found, number)
+        self.inferred["step"] = ("(epoch - 1) * iterations per epoch + the epoch's "
+                                 "iteration, as mmcv's runner counts")  # fmt: skip
+        return self._step((int(m.group(1)) - 1) * int(m.group(3)) + int(m.group(2)), found,
+                          number)  # fmt: skip
