@@ -55,6 +55,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The catalog lives beside the tests that use it; imported by file name, as pytest does.
 sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
 
+import public_logs
 import real_logs
 from scenario_catalog import SCENARIOS
 from scenario_judge import Outcome, run_scenario
@@ -225,6 +226,60 @@ def bars_real(verdicts: list[real_logs.Verdict]) -> tuple[bool, list[str]]:
     return all(marks.values()), lines
 
 
+def report_public(verdicts: list[public_logs.Verdict], printed: list[public_logs.Replayed]) -> bool:
+    """The public-log corpus through `ampwatch import`: the per-file table, every bar
+    missed in words, and the bars on the tuning part and on the held-back part apart. Then
+    the alert engine alone: each labeled log's printed values (the corpus' own reading)
+    through the manual API, whether or not `import` reads its format yet."""
+    print("\npublic logs through `ampwatch import` (tests/data/public_logs; printed values read by "
+          "the corpus' own regexes; n/st: printed but not stored; manual: the manual API's first "
+          "alert)")  # fmt: skip
+    print("\n".join(public_logs.table(verdicts)))
+    for v in verdicts:
+        for problem in v.problems():
+            print(f"  {v.log.name}: {problem}")
+    ok = True
+    for part, chosen in (("tuning", [v for v in verdicts if not v.log.held_back]),
+                         ("held back", [v for v in verdicts if v.log.held_back])):  # fmt: skip
+        warnings, steps, rate = public_logs.warnings_per_10k(chosen)
+        marks = public_logs.bars(chosen)
+        incidents = [v for v in chosen if v.log.kind == "incident"]
+        print(f"public logs, {part}: {len(chosen)} logs, {sum(v.imported.read for v in chosen)} read; "
+              f"{sum(v.values.printed for v in chosen)} values printed, "
+              f"{sum(v.values.equal for v in chosen)} stored equal, "
+              f"{sum(len(v.values.contradicted) for v in chosen)} contradicted; "
+              f"healthy steps {steps}, warnings {warnings} ({rate:.2f}/10k); incidents caught "
+              f"{sum(v.caught(v.first_alert) for v in incidents)}/{len(incidents)}")  # fmt: skip
+        print(
+            f"public-log bars ({part}): "
+            + "; ".join(f"{k} {'OK' if held else 'MISSED'}" for k, held in marks.items())
+        )
+        ok = ok and all(marks.values())
+    print("\nthe printed values themselves through the manual API (labeled logs):")
+    for part in (False, True):
+        chosen = [r for r in printed if r.log.held_back == part and r.span]
+        healthy = [r for r in chosen if r.log.kind == "healthy"]
+        steps = sum(r.span for r in healthy)
+        warnings = sum(len(r.by_severity("warning")) for r in healthy)
+        critical = [
+            r.log.name for r in chosen if r.log.kind != "incident" and r.by_severity("critical")
+        ]
+        incidents = [r for r in chosen if r.log.kind == "incident"]
+        caught = [r for r in incidents if r.first_alert is not None
+                  and r.log.deadline_step is not None and r.first_alert <= r.log.deadline_step]  # fmt: skip
+        for r in chosen:
+            if r.alerts:
+                print(
+                    f"  {r.log.name} [{r.log.kind}]: "
+                    + " ".join(f"{a['rule']}({a['severity']}@{a['fired_step']})" for a in r.alerts)
+                )
+        print(f"  {'held back' if part else 'tuning'}: healthy steps {steps}, warnings {warnings} "
+              f"({1e4 * warnings / steps if steps else 0:.2f}/10k), criticals on calm logs "
+              f"{critical or 'none'}, incidents caught {len(caught)}/{len(incidents)} "
+              f"(missed: {[r.log.name for r in incidents if r not in caught] or 'none'})")  # fmt: skip
+    return ok
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -262,8 +317,17 @@ def main(argv: list[str] | None = None) -> int:
                 verdict = real_logs.replay_and_judge(excerpt, label, settings.public_url)
                 verdicts.append(verdict)
                 print("\n".join(report_real(verdict)), flush=True)
+            public = [] if args.only else [
+                public_logs.judge(log, settings.public_url) for log in public_logs.manifest()
+            ]  # fmt: skip
+            printed = [] if args.only else [
+                public_logs.replay_printed(log, settings.public_url)
+                for log in public_logs.manifest() if log.kind != "unlabeled"
+            ]  # fmt: skip
     real_ok, real_lines = bars_real(verdicts) if verdicts else (True, [])
     print("\n".join(real_lines))
+    public_ok = report_public(public, printed) if public else True
+    real_ok = real_ok and public_ok
     if args.real_logs:
         return 0 if real_ok else 1
     ok, text = bars(outcomes)

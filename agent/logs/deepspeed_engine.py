@@ -39,10 +39,11 @@ from ampwatch.agent.logs.series import LogStep
 
 @dataclass(slots=True)
 class _Skip:
-    """One skipped attempt as the scaler printed it: the attempted scale, the scale after
-    (None: unchanged), its time stamp and, where FP16_Optimizer printed it, its attempt."""
+    """One skipped attempt as the scaler printed it: the attempted scale (None: the log
+    prints none and none is known before it), the scale after (None: unchanged), its time
+    stamp and, where FP16_Optimizer printed it, its attempt."""
 
-    attempted: float
+    attempted: float | None
     after: float | None
     time: float | None
     attempt: int | None = None
@@ -184,11 +185,16 @@ class EngineSteps:
         if self._exact:
             attempts = sorted(a for a in self._exact if a <= step)
             if len(skips) < len(attempts):
-                self.notes["exact_scales"] = ("some 'Grad overflow on iteration' lines have no "
-                                              "OVERFLOW/Reducing line: their scale is held")  # fmt: skip
+                self.notes["exact_scales"] = (
+                    "some 'Grad overflow on iteration' lines have no OVERFLOW/Reducing line: "
+                    "their scale is the last printed one, held; none is stored before the log "
+                    "prints one"
+                )
             placed = dict(zip(attempts, skips, strict=False))
             for attempt in attempts[len(skips) :]:
-                placed[attempt] = _Skip(self._scale or 0.0, None, None)
+                # Never a made-up scale: unknown stays None (issue 31: a 0.0 here was a
+                # critical loss_scale_collapse on a healthy DeepSpeed-Chat DPO run).
+                placed[attempt] = _Skip(self._scale, None, None)
             return placed
         positions: list[int] = []
         for skip in skips:
@@ -225,10 +231,12 @@ class EngineSteps:
         for attempt in range(first, last + 1):
             skip = placed.get(attempt)
             if skip is not None:
-                if self._scale is not None and self._scale != skip.attempted:
+                known = skip.attempted is not None
+                if known and self._scale is not None and self._scale != skip.attempted:
                     self.contradicted += 1
                 out.append(LogStep(attempt, loss_scale=skip.attempted, skipped=True))
-                self._scale = skip.after if skip.after is not None else skip.attempted
+                if skip.after is not None or known:
+                    self._scale = skip.after if skip.after is not None else skip.attempted
                 self._last_overflow = attempt
                 continue
             if not only_skips:

@@ -21,9 +21,12 @@ from ampwatch.agent.logs.deepspeed import DeepSpeedParser
 from ampwatch.agent.logs.dllogger import DlloggerParser
 from ampwatch.agent.logs.fairseq import FairseqParser, MetaseqParser
 from ampwatch.agent.logs.hf import HfParser
-from ampwatch.agent.logs.keyvalue import GenericParser, TqdmParser, values
+from ampwatch.agent.logs.keyvalue import MMDET, GenericParser, MmdetParser, TqdmParser, values
+from ampwatch.agent.logs.llmc import LlmcParser
 from ampwatch.agent.logs.megatron import MegatronParser
 from ampwatch.agent.logs.nanogpt import NanoGptParser
+from ampwatch.agent.logs.olmo import HEADER as OLMO_HEADER
+from ampwatch.agent.logs.olmo import OlmoParser
 from ampwatch.agent.logs.series import Parser
 from ampwatch.agent.logs.xlm import XlmParser
 
@@ -45,6 +48,9 @@ FORMATS: dict[str, Callable[[], Parser]] = {
     "nanogpt": NanoGptParser,
     "dllogger": DlloggerParser,
     "xlm": XlmParser,
+    "llmc": LlmcParser,
+    "olmo": OlmoParser,
+    "mmdet": MmdetParser,
     "tqdm": TqdmParser,
     "generic": GenericParser,
 }
@@ -64,7 +70,11 @@ _MARKERS: tuple[tuple[str, _Marker], ...] = (
     ("dllogger", re.compile(r"\bDLL \d{4}-\d\d-\d\d")),
     ("xlm", re.compile(r"sent/s - +[\d.]+ words/s")),
     ("nanogpt", re.compile(r"(?<![\w.])iter \d+: loss ")),
+    ("llmc", re.compile(r"^s:\d+ trl:")),
+    ("olmo", OLMO_HEADER),
+    ("mmdet", MMDET),
     ("tqdm", re.compile(r"\d+/(?:\d+|\?) \[[^\]]*(?:it/s|s/it), [\w ]+=")),
+    ("tqdm", re.compile(r"loss[\w/]*[:=] ?[-+\w.]+[^\]]*\]:\s+\d+%\|")),
     ("hf", "{'loss':"),
     ("hf", "/it]"),
     ("hf", "it/s]"),

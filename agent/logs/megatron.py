@@ -14,9 +14,17 @@ What the lines mean (each seen in the public logs of tests/data/):
 - On a skipped iteration the printed grad norm repeats the last applied one unchanged (it
   was never computed): it is dropped. ``grad norm: 0.000`` (older Megatron-DeepSpeed,
   which did not compute it) is not measured either.
-- A missing ``lm loss`` (an all-skipped interval, or NaN: Megatron averages only finite
-  losses) is not measured; "number of nan iterations" > 0 makes the loss NaN (a non-finite
-  loss happened: divergence, not scaling).
+- A missing loss field: Megatron's ``training_log`` adds each applied iteration's loss to
+  the interval's sum (a skipped one's only to the nan counter when it is not finite) and
+  prints ``key: avg`` only ``if avg > 0.0``. So on a line of a process that printed the
+  field before, a missing field means either every iteration of the interval was skipped
+  (the skip counter covers the interval, or a one-iteration interval shows a skip by an
+  OVERFLOW line or a falling scale: nothing measured, the step is a skip) or the
+  average over applied iterations is not > 0: NaN (a bf16 run's NaN, whose counters stay
+  0), or exactly 0, which a cross-entropy average never is in practice. The second is
+  stored as a NaN loss, named in `inferred` (issue 31: Megatron-LLM #33's Falcon-40B NaN
+  showed only as the missing field). "number of nan iterations" > 0 makes the loss NaN
+  too (a non-finite loss happened: divergence, not scaling).
 - ``loss scale: -1.0`` (no scaler, bf16) is not reported. A scale logged lower than the
   previous consecutive iteration's (OVERFLOW line not in the log) marks a skip at the
   previous scale (inference).
@@ -92,6 +100,7 @@ class MegatronParser:
         self._logged_scale: float | None = None
         self._saved: set[int] = set()
         self._banner = False
+        self._loss_names: set[str] = set()  # loss fields this process has printed
 
     def feed(self, line: str, number: int) -> list[Entry]:
         if "iteration" not in line:
@@ -140,6 +149,7 @@ class MegatronParser:
             out.append(Restart(number, why))
             self._banner, self._logged_scale = False, None
             self._last_step = None
+            self._loss_names = set()
         if nans > 0:
             # Megatron averages only finite losses (and prints none when the average is
             # not > 0): a non-finite loss shows only in this counter.
@@ -162,12 +172,30 @@ class MegatronParser:
             record.skipped, record.loss_scale, record.grad_norm = True, self._logged_scale, None
             self.inferred["skipped"] = ("a scale logged lower than the previous iteration's "
                                         "(no OVERFLOW line) marks a skip at the previous scale")  # fmt: skip
+        if loss is not None:
+            self._loss_names.add("lm loss")
+        elif self._loss_names and not self._all_skipped(step, record.skipped, skips):
+            record.loss = float("nan")
+            self.inferred["loss"] = (
+                "NaN where a line leaves out the lm loss earlier lines printed and not every "
+                "iteration of its interval was skipped: Megatron prints a loss only when its "
+                "interval average is > 0 (a NaN average is not)"
+            )
         self._attempted = None
         self._copies.boundary()
         self._logged_scale = logged
         self._last_step = step
         out.append(record)
         return out
+
+    def _all_skipped(self, step: int, skipped: bool, skips: float) -> bool:
+        """Every iteration since the previous line of this process was skipped: the skip
+        counter covers the interval, or the interval is one iteration and it was skipped
+        (an OVERFLOW line, or a scale logged lower: Megatron-DeepSpeed's counter reads 0)."""
+        if self._last_step is None:
+            return False
+        interval = step - self._last_step
+        return skips >= interval or (interval == 1 and skipped)
 
     def finish(self) -> list[Entry]:
         return []

@@ -53,6 +53,11 @@ UNITS: dict[str, Callable[[int], str]] = {
                       "words/s - MLM-en:  7.7416 -  - model LR: 3.8795e-06\n"),
     "tqdm": lambda k: f" {k}%|#  | {k}/100 [00:{k:02d}<00:10,  5.00it/s, loss=2.5, lr=0.001]\n",
     "generic": lambda k: f"step {k} loss 2.5 lr 0.001\n",
+    "llmc": lambda k: f"s:{k} trl:3.500000 lr:0.000600 norm:0.50\n",
+    "olmo": lambda k: (f"2024-08-06 09:59:26.181 host:0  olmo.train:908  INFO    [step={k}/1000,"
+                      "epoch=0]\n    optim/total_grad_norm=0.5\n    train/CrossEntropyLoss=2.5\n"),
+    "mmdet": lambda k: (f"2023-06-15 04:03:40,870 - mmdet - INFO - Epoch [1][{k}/1000]\tlr: "
+                        "1.000e-04, eta: 1:00:00, time: 0.500, loss_cls: 0.5, loss: 2.5\n"),
 }  # fmt: skip
 
 

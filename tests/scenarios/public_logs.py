@@ -54,44 +54,117 @@ _MEGATRON_STEP = _num(r"iteration\s+(\d+)/\s*\d+")
 #: The corpus' `truth` names -> how that shape of log prints its values.
 TRUTH: dict[str, list[Rule]] = {
     "speedrun": [Rule(_num(r"^step:(\d+)/\d+ train_loss:"), {"loss": _num(r"train_loss:NUM")})],
-    "llmc": [Rule(_num(r"^s:(\d+) trl:"), {"loss": _num(r"trl:NUM"), "lr": _num(r" lr:NUM"),
-                                           "grad_norm": _num(r" norm:NUM")})],  # fmt: skip
+    "llmc": [
+        Rule(
+            _num(r"^s:(\d+) trl:"),
+            {"loss": _num(r"trl:NUM"), "lr": _num(r" lr:NUM"), "grad_norm": _num(r" norm:NUM")},
+        )
+    ],
     "nanogpt": [Rule(_num(r"\biter (\d+): loss"), {"loss": _num(r": loss NUM")})],
-    "megatron": [Rule(_MEGATRON_STEP, {"loss": _num(r"\blm[ _]loss: NUM"),
-                                       "loss_scale": _num(r"\bloss scale: NUM"),
-                                       "grad_norm": _num(r"\bgrad norm: NUM"),
-                                       "lr": _num(r"\blearning rate: NUM")})],  # fmt: skip
-    "megatron-old": [Rule(_MEGATRON_STEP, {"loss": _num(r"\| lm loss NUM"),
-                                           "loss_scale": _num(r"\| loss scale NUM"),
-                                           "lr": _num(r"\| learning rate NUM")})],  # fmt: skip
-    "dllogger": [Rule(_num(r"Training Iteration: (\d+)"), {"loss": _num(r"step_loss : NUM"),
-                                                          "lr": _num(r"learning_rate : NUM")})],  # fmt: skip
-    "tf2-bert": [Rule(_num(r"\] Step: (\d+) Lr"), {"lr": _num(r" Lr NUM"),
-                                                  "loss_scale": _num(r"Loss scale NUM")}),
-                 Rule(_num(r"Train Step: (\d+)/"), {"loss": _num(r"/ loss = NUM")})],  # fmt: skip
-    "xlm": [Rule(_num(r" - +(\d+) - +[\d.]+ sent/s"), {"loss": _num(r"MLM-en: +NUM"),
-                                                      "lr": _num(r"model LR: NUM")})],  # fmt: skip
-    "fairseq": [Rule(_num(r"\bnum_updates (\d+)"), {"loss": _num(r"\| loss NUM"),
-                                                   "lr": _num(r"\| lr NUM"),
-                                                   "grad_norm": _num(r"\| gnorm NUM")})],  # fmt: skip
-    "verse": [Rule(_num(r"train iter: (\d+)"), {"loss": _num(r"loss_net: NUM"),
-                                               "loss_scale": _num(r"loss_scale: NUM"),
-                                               "grad_norm": _num(r" norm: NUM")})],  # fmt: skip
-    "detectron2": [Rule(_num(r"\biter: (\d+) "), {"loss": _num(r"total_loss: NUM"),
-                                                 "lr": _num(r" lr: NUM")})],  # fmt: skip
+    "megatron": [
+        Rule(
+            _MEGATRON_STEP,
+            {
+                "loss": _num(r"\blm[ _]loss: NUM"),
+                "loss_scale": _num(r"\bloss scale: NUM"),
+                "grad_norm": _num(r"\bgrad norm: NUM"),
+                "lr": _num(r"\blearning rate: NUM"),
+            },
+        )
+    ],
+    "megatron-old": [
+        Rule(
+            _MEGATRON_STEP,
+            {
+                "loss": _num(r"\| lm loss NUM"),
+                "loss_scale": _num(r"\| loss scale NUM"),
+                "lr": _num(r"\| learning rate NUM"),
+            },
+        )
+    ],
+    "dllogger": [
+        Rule(
+            _num(r"Training Iteration: (\d+)"),
+            {"loss": _num(r"step_loss : NUM"), "lr": _num(r"learning_rate : NUM")},
+        )
+    ],
+    "tf2-bert": [
+        Rule(
+            _num(r"\] Step: (\d+) Lr"),
+            {"lr": _num(r" Lr NUM"), "loss_scale": _num(r"Loss scale NUM")},
+        ),
+        Rule(_num(r"Train Step: (\d+)/"), {"loss": _num(r"/ loss = NUM")}),
+    ],
+    "xlm": [
+        Rule(
+            _num(r" - +(\d+) - +[\d.]+ sent/s"),
+            {"loss": _num(r"MLM-en: +NUM"), "lr": _num(r"model LR: NUM")},
+        )
+    ],
+    "fairseq": [
+        Rule(
+            _num(r"\bnum_updates (\d+)"),
+            {
+                "loss": _num(r"\| loss NUM"),
+                "lr": _num(r"\| lr NUM"),
+                "grad_norm": _num(r"\| gnorm NUM"),
+            },
+        )
+    ],
+    "verse": [
+        Rule(
+            _num(r"train iter: (\d+)"),
+            {
+                "loss": _num(r"loss_net: NUM"),
+                "loss_scale": _num(r"loss_scale: NUM"),
+                "grad_norm": _num(r" norm: NUM"),
+            },
+        )
+    ],
+    "detectron2": [
+        Rule(_num(r"\biter: (\d+) "), {"loss": _num(r"total_loss: NUM"), "lr": _num(r" lr: NUM")})
+    ],
     "pccai": [Rule(_num(r"\biter: (\d+),"), {"loss": _num(r", loss: NUM")})],
     "deeplab": [Rule(_num(r"^step (\d+) \t loss"), {"loss": _num(r"loss = NUM")})],
-    "ipex": [Rule(_num(r"\[Iteration (\d+)\]"), {"loss": _num(r"Loss is NUM"),
-                                                "lr": _num(r"learning rate is NUM")})],  # fmt: skip
-    "olmo": [Rule(_num(r"\[step=(\d+)/"), {"loss": _num(r"train/CrossEntropyLoss=NUM"),
-                                          "grad_norm": _num(r"optim/total_grad_norm=NUM")},
-                  sticky=True)],  # fmt: skip
-    "tqdm": [Rule(_num(r"(\d+)/\d+ \["), {"loss": _num(r"(?:[ ,\[]|^)(?:step_loss|noise_step_loss"
-                                                       r"|loss|losses/total_loss)[=:] ?NUM"),
-                                         "lr": _num(r"\blr=NUM")})],  # fmt: skip
+    "ipex": [
+        Rule(
+            _num(r"\[Iteration (\d+)\]"),
+            {"loss": _num(r"Loss is NUM"), "lr": _num(r"learning rate is NUM")},
+        )
+    ],
+    "olmo": [
+        Rule(
+            _num(r"\[step=(\d+)/"),
+            {
+                "loss": _num(r"train/CrossEntropyLoss=NUM"),
+                "grad_norm": _num(r"optim/total_grad_norm=NUM"),
+            },
+            sticky=True,
+        )
+    ],
+    "tqdm": [
+        Rule(
+            _num(r"(\d+)/\d+ \["),
+            {
+                "loss": _num(
+                    r"(?:[ ,\[]|^)(?:step_loss|noise_step_loss"
+                    r"|loss|losses/total_loss)[=:] ?NUM"
+                ),
+                "lr": _num(r"\blr=NUM"),
+            },
+        )
+    ],
     "deepspeed": [Rule(_num(r"\bstep=(\d+), skipped=\d+"), {"lr": _num(r"\blr=\[NUM")})],
-    "mmdet": [Rule(_num(r"\]\[(\d+)/\d+\]"), {"lr": _num(r"\blr: NUM"), "loss": _num(r", loss: NUM"),
-                                             "grad_norm": _num(r"grad_norm: NUM")})],  # fmt: skip
+    "mmdet": [
+        Rule(
+            _num(r"\]\[(\d+)/\d+\]"),
+            {
+                "lr": _num(r"\blr: NUM"),
+                "loss": _num(r", loss: NUM"),
+                "grad_norm": _num(r"grad_norm: NUM"),
+            },
+        )
+    ],
 }
 #: DeepSpeed's OVERFLOW line (in any log) names the scale the skipped step ran at; the
 #: terminal may have wrapped it (`Attempted loss sc` / `ale: 4096.0`). Its step is not
@@ -159,8 +232,19 @@ class Log:
 
 def manifest() -> list[Log]:
     runs = json.loads((CORPUS / "manifest.json").read_text(encoding="utf-8"))["runs"]
-    return [Log(name, r["kind"], r["deadline_step"], r["held_back"], r["truth"], r["source"],
-                r["says"], r["inference"]) for name, r in sorted(runs.items())]  # fmt: skip
+    return [
+        Log(
+            name,
+            r["kind"],
+            r["deadline_step"],
+            r["held_back"],
+            r["truth"],
+            r["source"],
+            r["says"],
+            r["inference"],
+        )
+        for name, r in sorted(runs.items())
+    ]
 
 
 # -- through `ampwatch import` -----------------------------------------------------------------
@@ -207,13 +291,17 @@ def import_log(path: Path, url: str, *, project: str = "public-logs") -> Importe
     with httpx.Client(base_url=url, timeout=60) as api:
         for client_run_id in ids:  # a file with two engines is two runs: columns appended
             run = find_run(api, client_run_id)
-            answer = api.get(f"/api/v1/runs/{run['id']}/steps",
-                             params={"max_points": 1_000_000}).json()  # fmt: skip
+            answer = api.get(
+                f"/api/v1/runs/{run['id']}/steps", params={"max_points": 1_000_000}
+            ).json()
             for name in ("step", "skipped", *FIELDS):
                 columns.setdefault(name, []).extend(answer[name])
             alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()
-            imported.alerts += [a for a in alerts["alerts"]
-                                if a.get("fired_step") is not None or a.get("status") == "firing"]  # fmt: skip
+            imported.alerts += [
+                a
+                for a in alerts["alerts"]
+                if a.get("fired_step") is not None or a.get("status") == "firing"
+            ]
     imported.steps = columns
     return imported
 
@@ -300,6 +388,51 @@ def manual_first_alert(log: Log, url: str) -> tuple[bool, int | None]:
     return True, min(fired) if fired else None
 
 
+# -- the printed values themselves through the manual API -------------------------------------
+
+
+@dataclass(frozen=True)
+class Replayed:
+    """A log's printed values (the corpus' own reading) sent through `handle.record()`: what
+    the alert engine says of the values themselves, whether or not `import` reads the
+    format yet."""
+
+    log: Log
+    span: int
+    alerts: list[dict[str, Any]]
+
+    def by_severity(self, severity: str) -> list[dict[str, Any]]:
+        return [a for a in self.alerts if a["severity"] == severity]
+
+    @property
+    def first_alert(self) -> int | None:
+        fired = [int(a["fired_step"]) for a in self.alerts if a.get("fired_step") is not None]
+        return min(fired) if fired else None
+
+
+def replay_printed(log: Log, url: str) -> Replayed:
+    import httpx
+    from real_logs import Excerpt, replay
+    from scenario_catalog import find_run
+
+    from ampwatch.agent.logs.series import LogStep
+
+    by_step: dict[int, dict[str, float]] = {}
+    for (step, name), value in printed(log.path, log.truth).values.items():
+        by_step.setdefault(step, {})[name] = value
+    steps = [LogStep(step, **values) for step, values in sorted(by_step.items())]  # type: ignore[arg-type]
+    if not steps:
+        return Replayed(log, 0, [])
+    client_run_id = replay(
+        Excerpt(log.name, log.truth, log.source, steps), url, project="public-logs-printed"
+    )
+    with httpx.Client(base_url=url, timeout=60) as api:
+        run = find_run(api, client_run_id)
+        alerts = api.get(f"/api/v1/runs/{run['id']}/alerts", params={"limit": 500}).json()
+    fired = [a for a in alerts["alerts"] if a.get("fired_step") is not None]
+    return Replayed(log, steps[-1].step - steps[0].step + 1, fired)
+
+
 # -- the verdict -------------------------------------------------------------------------------
 
 
@@ -320,8 +453,9 @@ class Verdict:
 
     @property
     def first_alert(self) -> int | None:
-        fired = [int(a["fired_step"]) for a in self.imported.alerts
-                 if a.get("fired_step") is not None]  # fmt: skip
+        fired = [
+            int(a["fired_step"]) for a in self.imported.alerts if a.get("fired_step") is not None
+        ]
         return min(fired) if fired else None
 
     def caught(self, first: int | None) -> bool:
@@ -332,23 +466,32 @@ class Verdict:
         """Every bar this log misses, in words (empty: it holds them all)."""
         out = []
         if not self.imported.read:
-            out.append(f"not read by ampwatch import (exit {self.imported.rc}): "
-                       f"{self.imported.output.strip().splitlines()[-1:]}")  # fmt: skip
+            said = (self.imported.output.strip().splitlines() or [""])[-1]
+            out.append(
+                f"not read by ampwatch import (exit {self.imported.rc}): "
+                f"{said.split(' (looked for')[0][:240]}"
+            )
         if self.values.contradicted:
-            out.append(f"{len(self.values.contradicted)} printed value(s) contradicted, e.g. "
-                       f"{self.values.contradicted[:3]}")  # fmt: skip
+            out.append(
+                f"{len(self.values.contradicted)} printed value(s) contradicted, e.g. "
+                f"{self.values.contradicted[:3]}"
+            )
         if self.log.kind in ("healthy", "transient") and self.by_severity("critical"):
             rules = sorted({a["rule"] for a in self.by_severity("critical")})
             out.append(f"critical alert on a {self.log.kind} log: {rules}")
         if self.log.kind == "incident":
             if not self.caught(self.first_alert):
-                out.append(f"incident not alerted by its deadline {self.log.deadline_step} "
-                           f"through import (first alert {self.first_alert})")  # fmt: skip
+                out.append(
+                    f"incident not alerted by its deadline {self.log.deadline_step} "
+                    f"through import (first alert {self.first_alert})"
+                )
             if self.manual is not None and self.caught(self.manual[1]) != self.caught(
                 self.first_alert
             ):
-                out.append(f"import and the manual API disagree: first alert {self.first_alert}"
-                           f" against {self.manual[1]}")  # fmt: skip
+                out.append(
+                    f"import and the manual API disagree: first alert {self.first_alert}"
+                    f" against {self.manual[1]}"
+                )
         return out
 
 
@@ -370,8 +513,10 @@ def warnings_per_10k(verdicts: list[Verdict]) -> tuple[int, int, float]:
 
 def table(verdicts: list[Verdict]) -> Iterator[str]:
     """The per-file table `bench/detection.py --real-logs` prints."""
-    yield (f"{'log':44} {'kind':9} {'held':4} {'read':4} {'steps':>6} {'printed':>7} {'equal':>6} "
-           f"{'contra':>6} {'n/st':>5} {'crit':>4} {'warn':>4}  first alert / deadline (import | manual)")  # fmt: skip
+    yield (
+        f"{'log':44} {'kind':9} {'held':4} {'read':4} {'steps':>6} {'printed':>7} {'equal':>6} "
+        f"{'contra':>6} {'n/st':>5} {'crit':>4} {'warn':>4}  first alert / deadline (import | manual)"
+    )
     for v in verdicts:
         log, values = v.log, v.values
         incident = ""
@@ -379,19 +524,23 @@ def table(verdicts: list[Verdict]) -> Iterator[str]:
             manual = "-" if v.manual is None else (v.manual[1] if v.manual[0] else "unread")
             mark = "caught" if v.caught(v.first_alert) else "MISSED"
             incident = f"{v.first_alert} / {log.deadline_step} {mark} | {manual}"
-        yield (f"{log.name[:44]:44} {log.kind:9} {'yes' if log.held_back else '':4} "
-               f"{'yes' if v.imported.read else 'NO':4} {v.span:>6} {values.printed:>7} "
-               f"{values.equal:>6} {len(values.contradicted):>6} {values.not_stored:>5} "
-               f"{len(v.by_severity('critical')):>4} {len(v.by_severity('warning')):>4}  {incident}")  # fmt: skip
+        yield (
+            f"{log.name[:44]:44} {log.kind:9} {'yes' if log.held_back else '':4} "
+            f"{'yes' if v.imported.read else 'NO':4} {v.span:>6} {values.printed:>7} "
+            f"{values.equal:>6} {len(values.contradicted):>6} {values.not_stored:>5} "
+            f"{len(v.by_severity('critical')):>4} {len(v.by_severity('warning')):>4}  {incident}"
+        )
 
 
 def bars(verdicts: list[Verdict]) -> dict[str, bool]:
-    warnings, _, rate = warnings_per_10k(verdicts)
+    _, _, rate = warnings_per_10k(verdicts)
     incidents = [v for v in verdicts if v.log.kind == "incident"]
     return {
         "contradicted = 0 on every log": all(not v.values.contradicted for v in verdicts),
         "0 criticals on healthy/transient logs": all(
-            not v.by_severity("critical") for v in verdicts if v.log.kind in ("healthy", "transient")
+            not v.by_severity("critical")
+            for v in verdicts
+            if v.log.kind in ("healthy", "transient")
         ),
         "<= 1 warning per 10k healthy steps": not (rate > 1.0),
         "every incident caught by its deadline through import": all(
