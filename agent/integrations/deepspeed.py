@@ -42,6 +42,7 @@ import torch
 from ampwatch.agent import WatchHandle
 from ampwatch.agent import watch as watch_model
 from ampwatch.agent.patch import patch_method
+from ampwatch.agent.stats import Grads
 
 __all__ = ["watch"]
 
@@ -177,4 +178,4 @@ class _EngineTap:
         device_scale = None
         if tensors and scale is not None:
             device_scale = torch.tensor(scale, dtype=torch.float32, device=tensors[0].device)
-        return handle._layer_sample(step, (names, tensors), device_scale)
+        return handle._layer_sample(step, Grads(names, tensors, len(tensors)), device_scale)

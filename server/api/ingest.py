@@ -75,9 +75,12 @@ def parse_json(body: bytes) -> Any:
     except orjson.JSONDecodeError as error:  # its message names a position, never the text
         raise HTTPException(
             status_code=422,
-            detail=f"Invalid JSON: {error} (strict JSON: a non-finite float is written as "
-            '"NaN", "Infinity", "-Infinity")',
+            detail=f"Invalid JSON: {error} ({NON_FINITE_HINT})",
         ) from None
+
+
+#: What a 422 for a bare NaN/Infinity literal says: the wire's own spelling (`wire.dumps`).
+NON_FINITE_HINT = 'strict JSON: a non-finite float is written as "NaN", "Infinity", "-Infinity"'
 
 
 class IngestError(BaseModel):

@@ -12,15 +12,25 @@ BENCH = Path(__file__).parents[2] / "bench"
 
 
 @pytest.mark.parametrize(
-    ("script", "expected"),
+    ("script", "args", "expected"),
     [
-        ("agent_overhead.py", ["defaults  wall ratio median", "isolated share of the bare step"]),
-        ("fp8_overhead.py", ["one tensor 256x256", "step-time ratio", "what FP8 adds"]),
+        (
+            "agent_overhead.py",
+            ["--sizes", "0.1M"],
+            ["defaults  wall ratio median", "isolated share of the bare step"],
+        ),
+        (
+            "fp8_overhead.py",
+            ["--models", "0.1M"],
+            ["one tensor 200x333", "sampled / plain step median", "average at M = "],
+        ),
     ],
 )
-def test_the_overhead_bench_runs_a_quick_round(script: str, expected: list[str]) -> None:
+def test_the_overhead_bench_runs_a_quick_round(
+    script: str, args: list[str], expected: list[str]
+) -> None:
     result = subprocess.run(
-        [sys.executable, str(BENCH / script), "--quick", "--sizes", "0.1M"],
+        [sys.executable, str(BENCH / script), "--quick", *args],
         capture_output=True,
         text=True,
         timeout=180,

@@ -49,6 +49,10 @@ def step_streams(draw: st.DrawFn) -> list[StepRecord]:
 def _outcome(feed: Feed) -> tuple[list[tuple[Any, ...]], dict[str, Any]]:
     alerts = [(a.rule, a.layer, a.severity, a.status, a.started_step, a.fired_step,
                a.resolved_step, a.message, a.values) for a in feed.alerts()]  # fmt: skip
+    # In onset order, not row order: a rule with a `for` (loss_spike's one step) writes its
+    # row when it fires, so within one batch rows of several rules may come in another order
+    # than across a cut; what each alert says must not differ.
+    alerts.sort(key=lambda a: (a[4], a[0], a[1], a[5] if a[5] is not None else -1))
     return alerts, feed.state()
 
 

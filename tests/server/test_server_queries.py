@@ -16,6 +16,7 @@ import pytest
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, decode_float
+from ampwatch.server.schemas.wire import MAX_BATCH_RECORDS
 
 N_STEPS = 100_000
 SPIKE_STEP = 54_321
@@ -52,11 +53,11 @@ def long_run(module_collector: Any) -> Iterator[LongRun]:
     skipped = set(SKIPPED)
     run_id = 0
     with httpx.Client(base_url=module_collector.url, timeout=30) as client:
-        for seq, first in enumerate(range(1, N_STEPS + 1, 20_000)):
+        for seq, first in enumerate(range(1, N_STEPS + 1, MAX_BATCH_RECORDS)):
             steps = [
                 step_record(s, loss=float(loss[s - 1]), loss_scale=65536.0 / (1 + s % 3),
                             skipped=s in skipped)
-                for s in range(first, first + 20_000)
+                for s in range(first, min(first + MAX_BATCH_RECORDS, N_STEPS + 1))
             ]  # fmt: skip
             run_id = post(client, make_batch(seq, steps=steps)).json()["run_id"]
         yield LongRun(client, run_id, loss)
