@@ -18,7 +18,10 @@ def test_wire_and_package_import_without_loading_torch() -> None:
         "import sys\n"
         "import ampwatch.agent, ampwatch.agent.wire\n"
         "assert 'torch' not in sys.modules, 'torch was imported eagerly'\n"
-        "assert sorted(ampwatch.agent.__all__) == ['Lifecycle', 'WatchHandle', 'watch']\n"
+        "assert sorted(ampwatch.agent.__all__) == ['CriticalAlert', 'EXIT_CRITICAL_ALERT',"
+        " 'FiringAlert', 'Lifecycle', 'ResumeFrom', 'WatchHandle', 'load_resume_plan', 'watch']\n"
+        "from ampwatch.agent import CriticalAlert, load_resume_plan\n"
+        "assert 'torch' not in sys.modules, 'the policy and resume names imported torch'\n"
     )
 
 

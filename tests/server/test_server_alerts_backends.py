@@ -139,9 +139,19 @@ def _send(feed: Feed, records: list[dict[str, Any]], cuts: tuple[int, ...]) -> N
 
 
 def _outcome(feed: Feed) -> tuple[list[tuple[Any, ...]], dict[str, Any], dict[str, Any]]:
-    """Alerts, step state and layer state, alert ids as their order: an id is the database's
-    (SQLite reuses a deleted pending alert's, a PostgreSQL sequence never does)."""
-    rows = feed.alerts()
+    """Alerts, step state and layer state, alert ids as their place in onset order: an id is
+    the database's (SQLite reuses a deleted pending alert's, a PostgreSQL sequence never
+    does), so neither the ids nor the rows' id order are the same on both; what each alert
+    says must be."""
+    rows = sorted(
+        feed.alerts(),
+        key=lambda a: (
+            a.started_step,
+            a.rule,
+            a.layer,
+            -1 if a.fired_step is None else a.fired_step,
+        ),
+    )
     order = {alert.id: i for i, alert in enumerate(rows)}
     alerts = []
     for a in rows:
