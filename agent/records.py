@@ -102,6 +102,9 @@ def step_record(sample: StepSample) -> wire.StepRecord:
     if (prenorm := values.get("act_prenorm_mean")) is not None:
         record["act_prenorm_mean"] = wire.encode_float(prenorm)
         record["act_prenorm_max"] = wire.encode_float(values.get("act_prenorm_max"))
+    for name in wire.PRECURSOR_FIELDS:
+        if (precursor := values.get(name)) is not None:  # absent: no Adam-family optimizer
+            record[name] = wire.encode_float(precursor)
     if sample.lr_groups > 1:
         groups = [values.get(lr_group_field(i)) for i in range(sample.lr_groups)]
         lrs = [lr for lr in groups if lr is not None]

@@ -15,6 +15,7 @@ import torch
 from ampwatch.agent import fp8
 from ampwatch.agent.handle import WatchHandle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
+from ampwatch.agent.precursors import adam_precursors
 from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
 from ampwatch.agent.scaler import ScalerTap, found_inf_total, keeps_power_of_two
@@ -59,6 +60,8 @@ class StepSampling(WatchHandle):
     _prenorm: ActivationNorm | None
     _act_max: ActivationMaxAbs | None
     _probe: PrecisionProbe
+    #: Set when reading the optimizer's state failed once: the precursors are not retried.
+    _precursors_failed: bool = False
 
     def _take_loss(self) -> torch.Tensor | None:
         """The step's loss: what log_loss() got, else what scaler.scale() saw (both reset)."""
@@ -178,6 +181,7 @@ class StepSampling(WatchHandle):
         if self._act is not None and (act := self._act.take()) is not None:
             scalars["act_norm_mean"], scalars["act_norm_max"] = act
         take_prenorm(self._prenorm, scalars)
+        self._take_precursors(scalars)
         host: dict[str, float | None] = {}
         # `lr` is the first optimizer's first group; `lr_groups` every group of every
         # optimizer, in order, when there is more than one (run_start lists them all).
@@ -190,6 +194,17 @@ class StepSampling(WatchHandle):
             for i, lr in enumerate(lrs):
                 _add_lr(scalars, host, lr_group_field(i), lr)
         return self._stacked(step, scalars, host, groups)
+
+    def _take_precursors(self, scalars: dict[str, torch.Tensor]) -> None:
+        """Adam's second-moment lag and update size, every step (`precursors`); an optimizer
+        state the agent cannot read costs these two fields, said once, never the step."""
+        if self._precursors_failed:
+            return
+        try:
+            scalars.update(adam_precursors(self._optimizers))
+        except Exception as exc:  # noqa: BLE001 - reported, never raised into training
+            self._precursors_failed = True
+            self._on_error(exc)
 
     def _part_sample(self, step: int, scalars: dict[str, torch.Tensor]) -> StepSample | None:
         """A rank that sends no step scalars still sends its part of a sharded grad norm

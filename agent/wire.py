@@ -181,7 +181,10 @@ DROPPED_KINDS: Final = ("steps", "layer_stats", "events")
 #: or not known, as null does). `act_norm_*` is the final hidden state as the head reads it,
 #: after the final norm, which caps it; `act_prenorm_*` the same norm of the final norm's
 #: input, the last block's output, where a divergence shows (optional: absent when the
-#: model has no final norm or `final_layer` names the module).
+#: model has no final norm or `final_layer` names the module). `adam_rms_max` and
+#: `update_ratio_max` are the maxima over layers of Adam's second-moment lag
+#: sqrt(mean(g**2 / v_hat)) and of ||update|| / ||weight||, read from an Adam-family
+#: optimizer's state every step (`ampwatch.agent.precursors`; optional: absent without one).
 STEP_FLOAT_FIELDS: Final = (
     "loss",
     "loss_scale",
@@ -192,7 +195,11 @@ STEP_FLOAT_FIELDS: Final = (
     "grad_norm_clipped",
     "act_prenorm_mean",
     "act_prenorm_max",
+    "adam_rms_max",
+    "update_ratio_max",
 )
+#: The optional step fields read from the optimizer's state (`ampwatch.agent.precursors`).
+PRECURSOR_FIELDS: Final = ("adam_rms_max", "update_ratio_max")
 
 #: A sharded run's step records without a clip (FSDP2, FSDP1) carry, from every rank, its
 #: part of the global grad norm: `grad_sumsq`, the unscaled sum of squares of the rank's
@@ -249,6 +256,8 @@ class StepRecord(_StepRecordRequired, total=False):
     grad_parts: int
     act_prenorm_mean: WireFloat | None
     act_prenorm_max: WireFloat | None
+    adam_rms_max: WireFloat | None
+    update_ratio_max: WireFloat | None
 
 
 class ExponentHistograms(TypedDict):

@@ -161,6 +161,8 @@ class StepSeries:
     #: The activation norm before the final norm; None where not measured.
     act_prenorm_mean: list[float | None]
     act_prenorm_max: list[float | None]
+    adam_rms_max: list[float | None]
+    update_ratio_max: list[float | None]
     #: Steps each point stands for that were skipped (1/0 for exact rows).
     skipped_count: list[int]
     #: Steps per bucket: 1 = exact rows; else two points (min, max) per bucket.

@@ -168,6 +168,7 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn], judged: Jud
             bind(record.lr), bind(record.act_norm_mean), bind(record.act_norm_max),
             bind(record.grad_norm_clipped),
             bind(record.act_prenorm_mean), bind(record.act_prenorm_max),
+            bind(record.adam_rms_max), bind(record.update_ratio_max),
             None if record.lr_groups is None else record.lr_groups.astype("<f8").tobytes(),
             *verdicts.get(key, (None, None)),
         )  # fmt: skip

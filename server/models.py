@@ -278,6 +278,9 @@ class Step(Base):
     #: The activation norm of the final norm's input (the last block's output).
     act_prenorm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    #: Maxima over layers of Adam's second-moment lag and update/weight ratio.
+    adam_rms_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    update_ratio_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     #: `activation_norm_spike`'s firing threshold for the value it judged at this step, as
     #: the rule engine computed it at ingest with the run's effective settings
     #: (`ampwatch.server.alerts.activation.firing_threshold`); NULL where it judged nothing
@@ -333,6 +336,10 @@ class _StepExtremes:
     act_prenorm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
     act_prenorm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    adam_rms_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    adam_rms_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    update_ratio_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    update_ratio_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
     #: `Step.act_threshold`'s extremes and the steps judged above it: the series draws the
     #: bucket's minimum threshold where a step was above, else its maximum.
     act_threshold_min: Mapped[float | None] = mapped_column(NonFiniteFloat)

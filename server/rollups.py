@@ -43,8 +43,8 @@ FINE_LEVEL = FINEST // LEVEL_FACTOR
 #: The step rollups' levels, finest first (`plan_reads`' `levels` for the step series).
 STEP_LEVELS: tuple[int, ...] = (FINE_LEVEL, *LAYER_LEVELS)
 
-#: The rollup columns up to migration 0012 (its backfill writes only these), as
-#: (name, aggregate over raw steps) in table order after the key.
+#: The step fields' rollup columns, in table order after the key (migrations 0012 and 0014
+#: keep their own frozen lists).
 EXTREME_COLUMNS: tuple[str, ...] = (
     "first_step",
     "last_step",

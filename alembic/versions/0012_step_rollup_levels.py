@@ -19,12 +19,22 @@ import sqlalchemy as sa
 from alembic import op
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import STEP_FLOAT_FIELDS
-
 revision: str = "0012"
 down_revision: str | None = "0011"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
+
+#: The step fields at this revision, frozen: the package's list grows with later
+#: migrations (0016), which add their own columns to this table.
+STEP_FLOAT_FIELDS = (
+    "loss", "loss_scale", "grad_norm", "lr", "act_norm_mean", "act_norm_max",
+    "grad_norm_clipped", "act_prenorm_mean", "act_prenorm_max",
+)  # fmt: skip
+#: The rollup columns this revision's backfill writes.
+EXTREME_COLUMNS = (
+    "first_step", "last_step", "skipped_count",
+    *(f"{field}_{extreme}" for field in STEP_FLOAT_FIELDS for extreme in ("min", "max")),
+)  # fmt: skip
 
 
 def upgrade() -> None:
@@ -54,7 +64,7 @@ def upgrade() -> None:
 
 def _backfill() -> None:
     from ampwatch.server.layer_rollups import LAYER_LEVELS
-    from ampwatch.server.rollups import EXTREME_COLUMNS, level_rows
+    from ampwatch.server.rollups import level_rows
 
     # A session only to build and run the statements in the migration's transaction,
     # which it joins and leaves to alembic to commit.

@@ -27,9 +27,18 @@ _LEVEL = 16
 
 
 def upgrade() -> None:
-    from ampwatch.server.rollups import EXTREME_COLUMNS, THRESHOLD_COLUMNS, fine_rows
+    from ampwatch.server.rollups import fine_rows
 
-    columns = EXTREME_COLUMNS + THRESHOLD_COLUMNS  # the rollup columns at this revision
+    # The rollup columns at this revision, frozen (0016 adds more, after this backfill).
+    fields = (
+        "loss", "loss_scale", "grad_norm", "lr", "act_norm_mean", "act_norm_max",
+        "grad_norm_clipped", "act_prenorm_mean", "act_prenorm_max",
+    )  # fmt: skip
+    columns = (
+        "first_step", "last_step", "skipped_count",
+        *(f"{field}_{extreme}" for field in fields for extreme in ("min", "max")),
+        "act_threshold_min", "act_threshold_max", "act_above_count",
+    )  # fmt: skip
     # A session only to build and run the statement in the migration's transaction.
     with Session(bind=op.get_bind()) as session:
         session.execute(fine_rows(session.get_bind().dialect.name, columns=columns))

@@ -152,6 +152,8 @@ class StepSeries(BaseModel):
     #: The activation norm before the final norm; null where not measured (or before 0010).
     act_prenorm_mean: list[WireFloat | None]
     act_prenorm_max: list[WireFloat | None]
+    adam_rms_max: list[WireFloat | None]
+    update_ratio_max: list[WireFloat | None]
     skipped_count: list[int]
     bucket_width: int = 1
     #: Per point: every param group's lr, or null for a step with one group and for every

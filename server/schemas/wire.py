@@ -167,6 +167,10 @@ class StepIn(_WireModel):
     #: The final norm's input (the last block's output); absent if not measured.
     act_prenorm_mean: WireFloat | None = None
     act_prenorm_max: WireFloat | None = None
+    #: Adam's second-moment lag and update/weight ratio, maxima over layers; absent if
+    #: the optimizer is not Adam-family.
+    adam_rms_max: WireFloat | None = None
+    update_ratio_max: WireFloat | None = None
     #: Every param group's lr (wire `MAX_LR_GROUPS`); absent with a single group.
     lr_groups: LrGroups | None = None
     #: Sharded and unclipped: this rank's part of the squared global grad norm and how

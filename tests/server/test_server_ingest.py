@@ -69,11 +69,12 @@ def test_steps_round_trip_with_non_finite_distinct_from_null(client: httpx.Clien
     assert set(series) == {
         "step", "loss", "loss_scale", "skipped", "grad_norm", "lr", "act_norm_mean",
         "act_norm_max", "grad_norm_clipped", "act_prenorm_mean", "act_prenorm_max",
-        "skipped_count", "bucket_width", "lr_groups", "act_threshold", "act_above_count",
+        "adam_rms_max", "update_ratio_max", "skipped_count", "bucket_width", "lr_groups", "act_threshold", "act_above_count",
         "rule_lines",
     }  # fmt: skip
     assert series["grad_norm_clipped"] == [None] * 5
     assert series["act_prenorm_mean"] == series["act_prenorm_max"] == [None] * 5
+    assert series["adam_rms_max"] == series["update_ratio_max"] == [None] * 5
     assert series["lr_groups"] == [None] * 5  # one param group: `lr` alone
     assert series["skipped_count"] == [0, 1, 1, 0, 0]
     assert series["bucket_width"] == 1
