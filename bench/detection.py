@@ -38,6 +38,15 @@ ampwatch's and each peer's, and the advisor's pick on excerpts with checkpoints.
 
     python bench/detection.py --real-logs        # the corpus only (seconds)
 
+Early warning (issue 32), `--precursors`: tiny CPU trainings designed to diverge the way
+large runs do, and healthy ones (`tests/scenarios/precursor_runs.py`), each into the same
+collector; per run, the event step (defined from the training alone), ampwatch's first
+warning and first critical, and the first flag of Megatron's 10x rule, OLMo-core's 6 sigma
+over 128, Lightning Fabric's SpikeDetection and llm-foundry's KillLossSpike on its losses.
+Tuning seeds and held-out seeds are summed up apart.
+
+    python bench/detection.py --precursors --seeds 4   # 4 tuning + 4 held-out seeds
+
 Exit status 0 when every bar holds, 1 otherwise, 2 when the collector has no alert engine.
 """
 
@@ -55,6 +64,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # The catalog lives beside the tests that use it; imported by file name, as pytest does.
 sys.path.insert(0, str(ROOT / "tests" / "scenarios"))
 
+import precursor_runs
 import public_logs
 import real_logs
 from scenario_catalog import SCENARIOS
@@ -280,6 +290,36 @@ def report_public(verdicts: list[public_logs.Verdict], printed: list[public_logs
     return ok
 
 
+def precursors(seeds: int) -> int:
+    """The early-warning bench (module docstring); 0 when every bar holds on both sets."""
+    import torch
+
+    torch.set_num_threads(1)
+    logging.getLogger("ampwatch.agent").setLevel(logging.ERROR)  # criticals print per run
+    chosen = list(range(seeds)) + [precursor_runs.HELD_OUT_FROM + s for s in range(seeds)]
+    measured = []
+    started = time.monotonic()
+    with tempfile.TemporaryDirectory(prefix="ampwatch-precursors-") as tmp:
+        os.environ["AMPWATCH_SPOOL_DIR"] = str(Path(tmp) / "spool")
+        sock = bind_socket()
+        settings = Settings(database_url=f"sqlite:///{Path(tmp) / 'precursors.db'}",
+                            port=sock.getsockname()[1], dashboard=False)  # fmt: skip
+        with BackgroundCollector(settings, sock=sock):
+            for config in precursor_runs.configs(chosen):
+                measured.append(precursor_runs.measure(config, settings.public_url))
+                print(precursor_runs.row(measured[-1]), flush=True)
+    ok = True
+    for label, held in (("tuning", False), ("held out", True)):
+        runs = [m for m in measured if m.trained.config.held_out == held]
+        lines, bars = precursor_runs.summary(runs, label)
+        print("\n".join(lines))
+        marks = " ".join(f"{k}={'ok' if v else 'MISSED'}" for k, v in bars.items())
+        print(f"  bars: {marks}")
+        ok = ok and all(bars.values())
+    print(f"{len(measured)} runs in {time.monotonic() - started:.0f}s")
+    return 0 if ok else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument(
@@ -294,8 +334,14 @@ def main(argv: list[str] | None = None) -> int:
         action="store_true",
         help="only the real-log corpus, not the training scenarios",
     )
+    parser.add_argument(
+        "--precursors", action="store_true", help="only the early-warning trainings"
+    )
+    parser.add_argument("--seeds", type=int, default=4, help="--precursors: seeds per set")
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.WARNING)
+    if args.precursors:
+        return precursors(args.seeds)
     chosen = [s for s in SCENARIOS if not args.real_logs and (not args.only or s.name in args.only)]
     verdicts: list[real_logs.Verdict] = []
     started = time.monotonic()

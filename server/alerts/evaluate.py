@@ -44,7 +44,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import SCALER_CALIBRATED, decode_float
-from ampwatch.server.alerts import rules, spikes
+from ampwatch.server.alerts import precursors, rules, spikes
 from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
 from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
@@ -70,6 +70,7 @@ T = TypeVar("T")
 
 STEPS_KEY = "steps"
 LAYERS_KEY = "layers"
+PRECURSORS_KEY = "precursors"
 
 
 #: What activation_norm_spike judged in a batch: (rank, step, firing threshold, above),
@@ -120,11 +121,16 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judg
     # One pass in step order: a layer sample is judged after the step records up to its
     # step and before later ones, so every rule sees the state as of its own step and the
     # alerts do not depend on how the agent cut its batches.
+    early = precursors.PrecursorState.from_json(rows[PRECURSORS_KEY].data
+                                                if PRECURSORS_KEY in rows else None)  # fmt: skip
     samples = LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
+    samples.precursors = early
     guard = RuleGuard(run.id)
-    judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard)
+    judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard, early)
     guard("layer rules", None, samples.judge_until, None)
     tracker.finish(steps_state.last_step)
+    guard("precursor leads", None, precursors.stamp_leads, session, run.id, early)
+    _save(session, rows, run.id, PRECURSORS_KEY, early.to_json(), now)
 
     _save(session, rows, run.id, STEPS_KEY, steps_state.to_json(), now)
     if layers_state is not None:
@@ -244,6 +250,7 @@ def _evaluate_steps(
     settings: dict[str, rules.RuleSettings],
     samples: LayerSamples | None = None,
     guard: RuleGuard | None = None,
+    early: precursors.PrecursorState | None = None,
 ) -> Judged:
     """Run the scalar rules over the batch's steps, step by step; before each step, the
     layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
@@ -367,6 +374,9 @@ def _evaluate_steps(
                               baselines[i], spike)  # fmt: skip
             if judgement is not None:
                 judged.append((record.rank, s, *judgement))
+        if early is not None:
+            guard("precursors", s, precursors.judge_step, tracker, early, record,
+                  calibrating=d.calibrating, settings=settings)  # fmt: skip
         d.last_step = s
 
     if spike.enabled:

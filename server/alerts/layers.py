@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 
 from ampwatch.agent.wire import LAYER_STATS
-from ampwatch.server.alerts import rules
+from ampwatch.server.alerts import precursors, rules
 from ampwatch.server.alerts.fp8 import FP8_RECORD_STATS, fp8_risk
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.state import StepState
@@ -107,6 +107,8 @@ class LayerSamples:
         self.state = state
         self.settings = settings
         self.queue = sorted(records, key=lambda r: r.step) if state is not None else []
+        #: The early-warning rules' state (`flush_trend`), set by the engine.
+        self.precursors: precursors.PrecursorState | None = None
         self.next = 0
         last_skip = steps.last_skip
         #: Steps whose gradients had Inf/NaN, in step order: the last one of earlier
@@ -160,6 +162,11 @@ class LayerSamples:
         judge_risk = risk.enabled and not calibrating and (fp16 or not risk.only_with_loss_scale)
         if flush is not None and judge_risk:
             _underflow_risk(self.tracker, state, record, idx, flush, subnormal, fresh_ok, risk)
+        trend = self.settings["flush_trend"]
+        assert isinstance(trend, rules.FlushTrend)
+        early = self.precursors
+        if flush is not None and trend.enabled and early is not None and fp16 and not calibrating:
+            precursors.judge_flush(self.tracker, early, record, flush, fresh_ok, trend)
         state.last[idx[fresh]] = s
 
 

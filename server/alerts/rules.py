@@ -403,6 +403,70 @@ class GradNormSpike(RollingSpike):
     )
 
 
+class UpdateRmsRise(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(50)
+    baseline_samples: int = Field(
+        default=64, ge=2, le=4096,
+        description="Baseline: the median of this many recent applied steps' adam_rms_max "
+        "(the update RMS, sqrt(mean(g^2 / v_hat)), maximum over layers).",
+    )  # fmt: skip
+    min_baseline_samples: int = Field(
+        default=50, ge=1,
+        description="Judge once this many values are in the baseline: Adam's first steps "
+        "(bias correction, lr warm-up) move the update RMS by themselves.",
+    )  # fmt: skip
+    min_ratio: float = Field(
+        default=2.5, gt=1,
+        description="Fire when the update RMS is at least this many times its median: in "
+        "steady training it sits near 1 (v_hat is the running mean of g^2); a lagging "
+        "second moment pushes it towards sqrt(1 / (1 - beta2)).",
+    )  # fmt: skip
+    min_value: float = Field(
+        default=2.5, gt=0,
+        description="...and at least this (Wortsman et al. 2023 clip the update where it "
+        "exceeds 1).",
+    )  # fmt: skip
+    escalate_ratio: float = Field(
+        default=3.0, gt=1,
+        description="Critical when, at the same step, the grad norm is this many times the "
+        "median of its last baseline_samples applied steps (a precursor and a rise together).",
+    )  # fmt: skip
+
+
+class ScaleDecline(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(200)
+    window_steps: int = Field(
+        default=200, ge=1, le=100_000, description="Window of the decline, in steps."
+    )
+    min_octaves: float = Field(
+        default=3.0, gt=0,
+        description="Fire when the scale fell by 2^this within window_steps and did not grow "
+        "in that window (64 -> 4 over 200 steps is 4: below loss_scale_collapse's 2^8 and "
+        "its floor; a scaler that grows inside the window is cycling, not declining).",
+    )  # fmt: skip
+    min_falls: int = Field(
+        default=3, ge=1,
+        description="...in at least this many separate falls: a decline, not one overflow.",
+    )  # fmt: skip
+
+
+class FlushTrend(RuleSettings):
+    for_steps: int = _for_steps(0)
+    resolve_steps: int = _resolve_steps(100)
+    min_flush: float = Field(
+        default=0.02, gt=0, le=1,
+        description="Fire when a layer's share of scaled gradients below FP16's smallest "
+        "subnormal (|g*S| < 2^-24) is at least this...",
+    )  # fmt: skip
+    min_rise: float = Field(
+        default=0.01, gt=0, le=1,
+        description="...and rose by at least this since the layer's previous sample: the "
+        "drift before a layer is mostly zero (silent_underflow).",
+    )  # fmt: skip
+
+
 class OverflowBurst(RuleSettings):
     for_steps: int = _for_steps(0)
     resolve_steps: int = _resolve_steps(100)
@@ -446,6 +510,7 @@ RuleName = Literal[
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
     "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
     "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst", "fp8_risk",
+    "update_rms_rise", "scale_decline", "flush_trend",
 ]  # fmt: skip
 
 
@@ -541,6 +606,24 @@ RULES: dict[str, Rule] = {
             "layer's weight, gradient or input activation would flush, saturate or lose "
             "precision beyond its limit (the FP8 readiness view's 'does not fit'). Runs that "
             "declare no recipe are not judged.",
+        ),
+        Rule(
+            "update_rms_rise", "warning", "run", UpdateRmsRise,
+            "Adam's update RMS (adam_rms_max: sqrt(mean(g^2 / v_hat)), the maximum over "
+            "layers) left its own rolling median: the second moment lags the gradients, "
+            "1-8 steps before loss spikes (Wortsman et al. 2023). Critical with a grad-norm "
+            "rise at the same step.",
+        ),
+        Rule(
+            "scale_decline", "warning", "run", ScaleDecline,
+            "The loss scale declined by 2^min_octaves within window_steps in min_falls "
+            "separate falls without growing back, warm-up calibration excepted: the slow "
+            "slide loss_scale_collapse does not see. Critical with a grad-norm rise.",
+        ),
+        Rule(
+            "flush_trend", "warning", "layer", FlushTrend,
+            "A layer's share of scaled gradients that would flush to zero in FP16 rises "
+            "from sample to sample above min_flush: warned before the layer freezes.",
         ),
     )
 }  # fmt: skip
