@@ -190,7 +190,7 @@ def _scale_decline(
         values = {"octaves": octaves, "falls": len(state.falls), "from_step": first,
                   "loss_scale": scale}  # fmt: skip
         _warn(tracker, state, "scale_decline", s, message, values, critical=rising)
-    elif not state.falls:
+    elif grew or not state.falls:  # the scaler grows again: the decline is over
         tracker.clear("scale_decline", s)
 
 

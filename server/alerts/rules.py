@@ -436,7 +436,7 @@ class UpdateRmsRise(RuleSettings):
 
 class ScaleDecline(RuleSettings):
     for_steps: int = _for_steps(0)
-    resolve_steps: int = _resolve_steps(200)
+    resolve_steps: int = _resolve_steps(100)
     window_steps: int = Field(
         default=200, ge=1, le=100_000, description="Window of the decline, in steps."
     )
