@@ -16,10 +16,11 @@ the gradient outgrows what the optimizer has seen it climbs towards sqrt(1 / (1 
 Besides it, each layer's update against its weight, `update_ratio` =
 ||lr * m_hat / (sqrt(v_hat) + eps)|| / ||w|| (Adam's own step, weight decay left out).
 
-Every step the agent sends the maximum over layers of both (`adam_rms_max`,
-`update_ratio_max`): a window of 1-8 steps is missed by a sample every 50. The cost is a
-handful of `torch._foreach_*` kernels over the gradients and the two moments (the grad
-norm's pass is one of the same size); `bench/agent_overhead.py` measures it.
+Every step the agent sends the maximum over layers of the first (`adam_rms_max`): a window
+of 1-8 steps is missed by a sample every 50; the second (`update_ratio_max`, three more
+passes) on the layer-statistics steps (`layer_stats_every`). The cost is a
+handful of `torch._foreach_*` kernels over at most `MAX_ELEMENTS` elements of each layer
+(exact below that, an even-strided estimate above it); `bench/agent_overhead.py` measures it.
 
 Read as the optimizer left them, after `step()` (the scaler path: at `scaler.update()`,
 with the gradients already unscaled, fused kernels included; a skipped step left the
@@ -45,6 +46,20 @@ import torch
 from ampwatch.agent.shards import local_tensor
 
 _ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
+
+#: Elements read per layer: a larger layer is read at an even stride (the same elements of
+#: its gradient, moments and weight), an estimate of its mean and norm ratio. Reading every
+#: element cost 6% of a step of the 3M overhead model on the CPU; the stride makes the cost
+#: per layer bounded, and a lagging second moment shows across a layer, not in a few
+#: elements (the spikes Wortsman et al. trace are layer-wide: embeddings, QK projections).
+MAX_ELEMENTS = 4096
+
+
+def _sampled(tensor: torch.Tensor) -> torch.Tensor:
+    """`tensor` flat, at most `MAX_ELEMENTS` of it at an even stride (a view: no copy)."""
+    flat = tensor.reshape(-1)
+    stride = -(-flat.numel() // MAX_ELEMENTS)
+    return flat if stride == 1 else flat[::stride]
 
 
 @dataclass(frozen=True)
@@ -91,7 +106,7 @@ def _adam_groups(optimizers: list[torch.optim.Optimizer]) -> list[_Group]:
                 if len(plain) < 4 or any(t.device != plain[0].device for t in plain):
                     continue  # (an unknown subclass; state offloaded to the host: skipped)
                 for target, value in zip(lists, plain, strict=True):
-                    target.append(value)
+                    target.append(_sampled(value))
                 step = entry["step"]
             if grads:
                 groups.append(
@@ -115,8 +130,10 @@ def _bias_correction(beta: float, step: Any) -> torch.Tensor | float:
     return 1.0 - torch.pow(beta, t) if isinstance(t, torch.Tensor) else 1.0 - beta**t
 
 
-def _group_precursors(group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
-    """Per-layer adam_rms and update_ratio of one group, as two 1-d device tensors."""
+def _group_precursors(
+    group: _Group, *, ratio: bool = True
+) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Per-layer adam_rms and (`ratio`) update_ratio of one group, as 1-d device tensors."""
     floor = group.eps * group.eps
     # sqrt(max(v, eps^2)) for every layer at once; in float32 (bf16 moments stay exact).
     dtype = torch.float32
@@ -128,22 +145,26 @@ def _group_precursors(group: _Group) -> tuple[torch.Tensor, torch.Tensor]:
     # a tensor of them would be a host-to-device copy).
     per_element = [1.0 / math.sqrt(g.numel()) for g in grads]
     grad_rms = torch.stack(torch._foreach_mul(torch._foreach_norm(scaled), per_element))
+    bc2 = _bias_correction(group.beta2, group.step)
+    root_bc2 = bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2)
+    rms = grad_rms * root_bc2
+    if not ratio:
+        return rms, None
     steps = torch._foreach_div([m.to(dtype) for m in group.exp_avg], denom)
     step_norms = torch.stack(torch._foreach_norm(steps))
     weight_norms = torch.stack(torch._foreach_norm([w.to(dtype) for w in group.weights]))
     bc1 = _bias_correction(group.beta1, group.step)
-    bc2 = _bias_correction(group.beta2, group.step)
-    root_bc2 = bc2.sqrt() if isinstance(bc2, torch.Tensor) else math.sqrt(bc2)
-    rms = grad_rms * root_bc2
     # m_hat / sqrt(v_hat) = (m / bc1) * sqrt(bc2) / sqrt(v)
     ratio = step_norms * (_number(group.lr) * root_bc2 / bc1) / weight_norms
     return rms, ratio
 
 
-def adam_precursors(optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.Tensor]:
-    """The step's `adam_rms_max` and `update_ratio_max` over every layer with Adam state
-    and a gradient, as 0-d device tensors; {} when no optimizer is Adam-family (or before
-    its first step).
+def adam_precursors(
+    optimizers: list[torch.optim.Optimizer], *, update_ratio: bool = True
+) -> dict[str, torch.Tensor]:
+    """The step's `adam_rms_max` and (`update_ratio`) `update_ratio_max` over every layer
+    with Adam state and a gradient, as 0-d device tensors; {} when no optimizer is
+    Adam-family (or before its first step).
 
     >>> p = torch.nn.Parameter(torch.ones(4))
     >>> opt = torch.optim.AdamW([p], lr=0.1)
@@ -154,16 +175,17 @@ def adam_precursors(optimizers: list[torch.optim.Optimizer]) -> dict[str, torch.
     rms: list[torch.Tensor] = []
     ratios: list[torch.Tensor] = []
     for group in _adam_groups(optimizers):
-        layer_rms, layer_ratio = _group_precursors(group)
+        layer_rms, layer_ratio = _group_precursors(group, ratio=update_ratio)
         rms.append(layer_rms.max())
-        ratios.append(layer_ratio.max())
+        if layer_ratio is not None:
+            ratios.append(layer_ratio.max())
     if not rms:
         return {}
     device = rms[0].device
-    return {
-        "adam_rms_max": torch.stack([r.to(device) for r in rms]).max(),
-        "update_ratio_max": torch.stack([r.to(device) for r in ratios]).max(),
-    }
+    out = {"adam_rms_max": torch.stack([r.to(device) for r in rms]).max()}
+    if ratios:
+        out["update_ratio_max"] = torch.stack([r.to(device) for r in ratios]).max()
+    return out
 
 
 def layer_precursors(
@@ -174,5 +196,6 @@ def layer_precursors(
     out = []
     for group in _adam_groups(optimizers):
         rms, ratio = _group_precursors(group)
+        assert ratio is not None
         out.append((group.weights, rms, ratio))
     return out

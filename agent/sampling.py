@@ -201,7 +201,8 @@ class StepSampling(WatchHandle):
         if self._precursors_failed:
             return
         try:
-            scalars.update(adam_precursors(self._optimizers))
+            sampled = self._step % self._every == 0  # this step's layer statistics too
+            scalars.update(adam_precursors(self._optimizers, update_ratio=sampled))
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._precursors_failed = True
             self._on_error(exc)

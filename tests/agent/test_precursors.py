@@ -40,7 +40,7 @@ def test_sent_precursors_equal_the_optimizers_state(kind: str, collector: FakeCo
     options = {"plain": {"foreach": False}, "foreach": {"foreach": True}, "fused": {"fused": True}}
     optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3, betas=(0.9, 0.95), **options[kind])
     scaler = torch.amp.GradScaler("cpu", init_scale=2.0**10)
-    handle = watch(model, optimizer, scaler=scaler, transport=collector)
+    handle = watch(model, optimizer, scaler=scaler, transport=collector, layer_stats_every=1)
     truth = []
     for step in range(6):
         optimizer.zero_grad()
@@ -97,6 +97,7 @@ def test_only_the_cpu_step_counter_is_read_on_the_host(
     for name in ("item", "tolist", "__float__", "__int__", "__bool__", "numpy"):
         monkeypatch.setattr(torch.Tensor, name, recording(name))
     values = adam_precursors([optimizer])
+    assert set(adam_precursors([optimizer], update_ratio=False)) == {"adam_rms_max"}
     monkeypatch.undo()
     steps = {id(state["step"]) for state in optimizer.state.values()}
     assert read and set(read) <= steps
