@@ -155,8 +155,8 @@ def _group_precursors(
     weight_norms = torch.stack(torch._foreach_norm([w.to(dtype) for w in group.weights]))
     bc1 = _bias_correction(group.beta1, group.step)
     # m_hat / sqrt(v_hat) = (m / bc1) * sqrt(bc2) / sqrt(v)
-    ratio = step_norms * (_number(group.lr) * root_bc2 / bc1) / weight_norms
-    return rms, ratio
+    update = step_norms * (_number(group.lr) * root_bc2 / bc1) / weight_norms
+    return rms, update
 
 
 def adam_precursors(
