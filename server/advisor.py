@@ -91,7 +91,11 @@ PRECURSOR_RULES = frozenset(
 )
 #: Never part of an incident: the agent going quiet says nothing about the weights, and a
 #: configuration finding is no incident (module docstring, 2.).
-NOT_PRECURSORS = frozenset({"no_data"}) | CONFIGURATION_RULES
+#: (The early warnings, `alerts.precursors`, warn of an event to come: the incident's onset
+#: is the event's, and their own lead is recorded on them.)
+NOT_PRECURSORS = frozenset({"no_data", "update_rms_rise", "scale_decline", "flush_trend"}) | (
+    CONFIGURATION_RULES
+)
 #: The caveat each configuration finding adds to every candidate.
 CONFIGURATION_CAVEATS = {
     "fp16_without_scaler": "the run trains FP16 without a loss scaler: fix that before restarting",

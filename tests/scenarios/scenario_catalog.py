@@ -677,9 +677,19 @@ SCENARIOS: tuple[Scenario, ...] = (
                     "underflow_risk",
                 }
             ),
-            # The overflow storm and the loss / grad-norm spikes are this incident's too.
+            # The overflow storm and the loss / grad-norm spikes are this incident's too, and
+            # the early warnings before it (Adam's update RMS rises 1 step before the
+            # ground-truth precursor).
             may_fire=frozenset(
-                {"skip_rate", "nan_loss", "overflow_burst", "loss_spike", "grad_norm_spike"}
+                {
+                    "skip_rate",
+                    "nan_loss",
+                    "overflow_burst",
+                    "loss_spike",
+                    "grad_norm_spike",
+                    "update_rms_rise",
+                    "scale_decline",
+                }
             ),
             collapse_before_floor=True,
             check_advisor=True,
