@@ -60,6 +60,9 @@ RULES = (
     "grad_norm_spike",
     "overflow_burst",
     "fp8_risk",
+    "update_rms_rise",
+    "scale_decline",
+    "flush_trend",
 )
 #: A labeled restart checkpoint precedes the precursor's onset by at least this many steps.
 #: The onset here is ground truth (where the rise began, at a 5% deviation), not a
