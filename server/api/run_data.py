@@ -18,12 +18,13 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
-from ampwatch.server import history, queries, series
+from ampwatch.server import full_layers, history, queries, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
     CheckpointsPublic,
     EventsPublic,
+    FullLayers,
     LayerHistograms,
     LayerMatrix,
     LayerSeries,
@@ -132,6 +133,26 @@ def get_layers(
             max_layers=max_layers,
         )
     )
+
+
+@router.get("/{run_id}/layers/full", response_model=FullLayers)
+def get_full_layers(
+    run_id: RunIdDep,
+    session: SessionDep,
+    step: Annotated[
+        int | None,
+        Query(ge=0, le=MAX_BIGINT, description="A sampled step; the latest one by default."),
+    ] = None,
+) -> Response:
+    """Every layer's gradient figures of the full tensor at one sampled step, combined
+    over the ranks' shard records (`ampwatch.server.full_layers` says which are exact)."""
+    if step is None:
+        step = full_layers.latest_sampled_step(session, run_id)
+    answer = None if step is None else full_layers.full_layer_stats(session, run_id, step)
+    if answer is None:
+        where = "" if step is None else f" at step {step}"
+        raise HTTPException(status_code=404, detail=f"run {run_id} has no layer statistics{where}")
+    return _json(answer)
 
 
 @router.get("/{run_id}/layers/{layer:path}/series", response_model=LayerSeries)

@@ -204,6 +204,40 @@ class LayerHistograms(BaseModel):
     loss_scale: list[WireFloat | None] = []
 
 
+class FullLayer(BaseModel):
+    """One parameter's gradient figures over the whole tensor (`ampwatch.server.full_layers`).
+    null: not measured (no histogram gives the shard sizes, or no rank sent it)."""
+
+    layer: str
+    #: Ranks whose record of this layer was combined.
+    ranks: int
+    numel: int | None
+    zero_count: int | None
+    zero_fraction: WireFloat | None
+    subnormal_fraction: WireFloat | None
+    flush_fraction: WireFloat | None
+    max_abs_scaled: WireFloat | None
+    #: The exponent histogram of the whole gradient: counts[j] elements with float32
+    #: exponent field first_bin + j (wire `EXPONENT_HISTOGRAM_BINS`).
+    first_bin: int | None
+    counts: list[int] | None
+
+
+class FullLayers(BaseModel):
+    """A step's per-layer figures of the full gradients, combined over the ranks."""
+
+    run_id: int
+    step: int
+    #: `run_start`'s sharding: "fsdp1", "fsdp2", or null (every rank the whole gradient).
+    sharding: str | None
+    #: "shards": the ranks' records added up; "replicated": the lowest rank's, as is.
+    combined: str
+    world_size: int | None
+    replicas: int
+    ranks: list[int]
+    layers: list[FullLayer]
+
+
 class CheckpointPublic(BaseModel):
     """A `checkpoint` event: the step saved, when, where (`path`, when the agent said)."""
 

@@ -112,9 +112,12 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else tensor
 
 
-def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -> dict[str, Any]:
-    """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g|
-    of the whole gradient, from full tensors (the test's own collectives, on every rank).
+def _grad_truth(
+    case: Case, model: nn.Module, names: list[str], sampled: bool, scale: float
+) -> dict[str, Any]:
+    """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g| /
+    subnormal and flush counts of |g * scale| (wire `LAYER_STATS`) of the whole gradient,
+    from full tensors (the test's own collectives, on every rank).
     FSDP2 without a clip gathers full tensors every step: the collector's combined norm
     is checked against them."""
     whole = sampled or (case.wrap == "fsdp2" and not case.clip)
@@ -133,11 +136,17 @@ def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -
     else:
         grads = [_full(p.grad).detach().float() for p in model.parameters()]
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-    layers = {
-        name: [int((g == 0).sum()), g.numel(), float(g.abs().max())]
-        for name, g in zip(names, grads, strict=True)
-    }
+    layers = {name: _counts(g, scale) for name, g in zip(names, grads, strict=True)}
     return {"norm": norm, "layers": layers}
+
+
+def _counts(grad: torch.Tensor, scale: float) -> list[float]:
+    """[zeros, numel, max|g|, subnormal count, flush count] of one whole gradient, the last
+    two of |g * scale| in float64 (FP16's subnormal range [2^-24, 2^-14), below it)."""
+    scaled = grad.double().abs() * scale
+    subnormal = int(((scaled >= 2.0**-24) & (scaled < 2.0**-14)).sum())
+    flush = int(((scaled > 0) & (scaled < 2.0**-24)).sum())
+    return [int((grad == 0).sum()), grad.numel(), float(grad.abs().max()), subnormal, flush]
 
 
 def _train(
@@ -193,12 +202,12 @@ def _train(
         else:
             loss.backward()
         if truth is not None:
-            grads = _grad_truth(case, model, names, (step - 1) % EVERY == 0)
             scale = truth_scale if scaler is not None else 1.0
+            grads = _grad_truth(case, model, names, (step - 1) % EVERY == 0, scale)
             truth["grad_norm"].append(grads["norm"])
             if grads["layers"] is not None and (step - 1) % EVERY == 0:
                 truth["layers"][step] = {
-                    n: [z, c, m * scale] for n, (z, c, m) in grads["layers"].items()
+                    n: [z, c, m * scale, *rest] for n, (z, c, m, *rest) in grads["layers"].items()
                 }
             truth["loss_scale"].append(scale if scaler is not None else None)
         if case.clip:
