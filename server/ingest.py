@@ -20,10 +20,10 @@ size); the ranks' batches arrive in any order and any grouping. Each part is sto
 record when it carries that step (before the rule engine reads it), else as an update of
 the stored row (its rollups refreshed). The sum is `math.fsum`, exactly rounded, so the norm
 is the same bit for bit whatever the order, and recomputing it on a re-sent part is
-idempotent; a step whose parts never all arrive keeps a NULL norm. The rule engine judges
-a rank-0 record once, when its batch is stored (`alerts.evaluate`): a norm completed by a
-later batch of another rank is stored and charted, but `grad_norm_spike` neither judges
-nor learns it (as for a step whose norm was not measured).
+idempotent; a step whose parts never all arrive keeps a NULL norm. The rule engine reads
+a rank-0 record when its batch is stored (`alerts.evaluate`); a norm completed by a later
+batch of another rank is handed to it with that batch (`late_norms`), so `grad_norm_spike`
+judges it either way.
 """
 
 from __future__ import annotations
@@ -50,6 +50,7 @@ from ampwatch.agent.wire import (
 )
 from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.alerts.evaluate import Judged
+from ampwatch.server.alerts.spikes import LateNorm
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert, upsert
 from ampwatch.server.firing import firing_alerts
@@ -102,8 +103,10 @@ def ingest_batch(
     # The alert rules first, in this transaction (they read only their own state, never the
     # stored rows), so that what activation_norm_spike judged goes into the step rows'
     # own upsert: a separate UPDATE of 2,000 rows cost ~20 ms a batch on SQLite.
-    _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads grad_norm
-    judged = evaluate_batch(session, run, batch, now=now) if evaluate_alerts else []
+    late = _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads them
+    judged = (
+        evaluate_batch(session, run, batch, now=now, late_norms=late) if evaluate_alerts else []
+    )
     _store_steps(session, run.id, batch.steps, judged or [])
     _store_layer_stats(session, run, batch.layer_stats)
     _apply_events(session, run, batch.events)
@@ -202,9 +205,10 @@ def combined_norm(parts: list[float]) -> float:
     return math.sqrt(math.fsum(parts))
 
 
-def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> None:
+def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> list[LateNorm]:
     """Store the batch's grad-norm parts; give every step they complete its norm (see the
-    module docstring). Reads the parts of the batch's steps only: (steps x world size) rows."""
+    module docstring). Reads the parts of the batch's steps only: (steps x world size) rows.
+    Returns the norms written into rows stored by earlier batches, for the rule engine."""
     sqlite = session.get_bind().dialect.name == "sqlite"
     bind = sqlite_float if sqlite else decode_float
     latest: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -213,7 +217,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
             key = (record.step, record.rank)
             latest[key] = (run_id, *key, bind(record.grad_sumsq), record.grad_parts)
     if not latest:
-        return
+        return []
     upsert(session, GradNormPart, _PART_COLUMNS, list(latest.values()), _PART_KEY)
     touched = {step for step, _ in latest}
     part = GradNormPart
@@ -226,7 +230,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
     ).scalars()
     done = touched.intersection(complete)
     if not done:
-        return
+        return []
     sums: dict[int, list[float]] = {}
     for step, sumsq in session.execute(select(part.step, part.sumsq).where(*in_range)):
         if step in done:
@@ -238,15 +242,16 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
             record.grad_norm = encode_float(norms[record.step])  # stored and judged with it
             stored.discard(record.step)
     if not stored:
-        return
+        return []
     rows = session.execute(
-        select(Step.step).where(
+        select(Step.step, Step.skipped).where(
             Step.run_id == run_id, Step.rank == _NORM_RANK, Step.step.in_(sorted(stored))
         )
-    ).scalars()
-    earlier = sorted(rows)  # rank 0's rows stored by earlier batches
+    )
+    skipped = {step: bool(flag) for step, flag in rows}  # rank 0's rows stored earlier
+    earlier = sorted(skipped)
     if not earlier:
-        return
+        return []
     table = Step.__table__
     assert isinstance(table, Table)  # a mapped class's table, not a select
     statement = (
@@ -256,6 +261,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
     )
     session.connection().execute(statement, [{"s": s, "g": norms[s]} for s in earlier])
     refresh_step_rollups(session, run_id, [(_NORM_RANK, a, b) for a, b in _runs(earlier)])
+    return [(_NORM_RANK, s, norms[s], skipped[s]) for s in earlier]
 
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:

@@ -28,8 +28,9 @@ Records at or before the state's last step (a retried or late batch) are ignored
 rolling state, so they can never corrupt a window or a baseline; they are still stored.
 A sharded run's grad norm is combined from every rank's part by ingest before this runs
 (`ampwatch.server.ingest`): the followed rank's records carry it when their batch brings
-the step's last part; a norm completed later, by another rank's batch, is stored but
-`grad_norm_spike` neither judges nor learns it, as for an unmeasured norm.
+the step's last part; a norm completed later, by another rank's batch, comes as
+`late_norms` and `grad_norm_spike` judges it then (`spikes.judge_late_norms`), in step
+order, unless a later step's norm was judged already.
 """
 
 from __future__ import annotations
@@ -77,9 +78,13 @@ LAYERS_KEY = "layers"
 Judged = list[tuple[int, int, float, bool]]
 
 
-def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime) -> Judged:
+def evaluate_batch(
+    session: Session, run: Run, batch: BatchIn, *, now: datetime,
+    late_norms: list[spikes.LateNorm] | None = None,
+) -> Judged:  # fmt: skip
     """Evaluate every rule of `run` on `batch` and move its alerts;
     returns what activation_norm_spike judged, per step, for the chart to draw.
+    `late_norms`: sharded grad norms the batch completed for steps stored earlier.
 
     Call inside the ingest transaction, with the run locked; the caller commits. Runs in a
     SAVEPOINT: should evaluation ever fail, it is logged and undone, and the batch is still
@@ -90,13 +95,15 @@ def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime)
     """
     try:
         with session.begin_nested():
-            return _evaluate(session, run, batch, now)
+            return _evaluate(session, run, batch, now, late_norms or [])
     except Exception:
         logger.exception("alert evaluation of run %s failed; its batch is stored", run.id)
         return []
 
 
-def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judged:
+def _evaluate(
+    session: Session, run: Run, batch: BatchIn, now: datetime, late_norms: list[spikes.LateNorm]
+) -> Judged:
     settings = run_settings(session, project=run.project, run_id=run.id)
     rows = {
         row.key: row
@@ -122,6 +129,10 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judg
     # alerts do not depend on how the agent cut its batches.
     samples = LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
     guard = RuleGuard(run.id)
+    if late_norms:  # earlier steps than the batch's own: judged first
+        guard("grad_norm_spike", None, spikes.judge_late_norms, tracker, steps_state.recent,
+              late_norms, steps_state.rank, settings["grad_norm_spike"],
+              calibrating=steps_state.calibrating)  # fmt: skip
     judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard)
     guard("layer rules", None, samples.judge_until, None)
     tracker.finish(steps_state.last_step)
@@ -351,9 +362,11 @@ def _evaluate_steps(
                       loss_baselines[i], loss_rule,
                       onset=spikes.covered_from(recent.loss_step, s))  # fmt: skip
             recent.loss_step = s
-        if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
-            guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
-                  "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
+        if norm_rule.enabled and (norm := learned_norms[i]) is not None:
+            if not d.calibrating:
+                guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
+                      "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
+            recent.norm_step = s
         if nan_loss.enabled and loss is not None:
             if nan:
                 d.nan_since = d.nan_since if d.nan_since is not None else s
