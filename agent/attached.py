@@ -67,8 +67,9 @@ class AttachedHandle(StepSampling):
         #: after watch() are not measured. Named as the user's model names them (`shards`).
         self._named_params = shards.named_parameters(model)
         self._sharded = shards.sharding(model, (p for _, p in self._named_params))
-        fsdp1 = self._sharded == "fsdp1" and shards.disjoint_fsdp1(model)
-        self._plain_replicas = 1 if fsdp1 else None
+        fsdp1 = self._sharded == "fsdp1"
+        #: On how many ranks an FSDP1 shard is held (`shards.fsdp1_replicas`).
+        self._plain_replicas = shards.fsdp1_replicas(model) if fsdp1 else None
         self._world_size = world_size
         self._optimizers = optimizers
         self._scaler = scaler

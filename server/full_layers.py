@@ -18,8 +18,10 @@ What combines, and how exactly:
   cut) and activation maxima (not sharded: each rank's own micro-batch). No per-layer sum
   of squares is sent, so there is no per-layer norm to add up; the step's global norm is
   combined at ingest (`grad_norm_parts`).
-- A shard replicated over `replicas` ranks (FSDP1 hybrid and NO_SHARD, FSDP2 HSDP: the
-  agent's `run_start` says how many) is counted once: the sums are divided by it. Ranks of
+- A shard replicated over k ranks (FSDP1 NO_SHARD and hybrid: the agent's `run_start`
+  says how many, `shard_replicas`) is counted once: the sums are divided by k. FSDP2's
+  HSDP (a mesh dimension Replicate) is not reported: there the counts are k times the
+  full tensor's, the fractions and the maximum still exact. Ranks of
   an unsharded run (DDP, one process) hold the whole reduced gradient: the lowest rank's
   record is the answer, as it is.
 - FSDP1 flat parameters (`use_orig_params=False`) pad each flat parameter's last shard
@@ -95,7 +97,7 @@ def full_layer_stats(session: Session, run_id: int, step: int) -> FullLayers | N
     start = latest_run_start(session, run_id)
     sharding = start.get("sharding") if start.get("sharding") in SHARDED else None
     world = _positive(start.get("world_size"))
-    replicas = _positive(start.get("replicas")) or 1
+    replicas = _positive(start.get("shard_replicas")) or 1
     names = list(
         session.scalars(select(Layer.name).where(Layer.run_id == run_id).order_by(Layer.idx))
     )

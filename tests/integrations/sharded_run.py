@@ -67,6 +67,13 @@ class Case:
     final_norm: bool = True
     scaler: str | None = None  # "amp", "sharded"
     orig_params: bool = True  # FSDP1
+    #: FSDP1's ShardingStrategy; HYBRID_SHARD on a (1 replica group x 2 ranks) mesh.
+    strategy: str = "FULL_SHARD"
+
+    @property
+    def replicas(self) -> int:
+        """On how many of the 2 ranks each local gradient is held whole and identical."""
+        return 2 if self.wrap == "ddp" or self.strategy == "NO_SHARD" else 1
 
 
 CASES = (
@@ -75,6 +82,8 @@ CASES = (
     Case("fsdp2_fp16_scaler", "fsdp2", torch.float16, clip=True, scaler="amp"),
     Case("fsdp1_fp16_sharded_scaler", "fsdp1", torch.float16, clip=True, scaler="sharded"),
     Case("fsdp1_bf16_flat", "fsdp1", torch.bfloat16, orig_params=False),  # no clip: parts
+    Case("fsdp1_bf16_no_shard", "fsdp1", torch.bfloat16, strategy="NO_SHARD"),  # parts / 2
+    Case("fsdp1_bf16_hybrid", "fsdp1", torch.bfloat16, strategy="HYBRID_SHARD"),
     Case("ddp_fp16", "ddp", torch.float16, scaler="amp"),
 )
 
@@ -89,15 +98,28 @@ def _wrap(case: Case, model: nn.Module) -> nn.Module:
         fully_shard(model, mp_policy=policy)
         return model
     if case.wrap == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        hybrid = case.strategy == "HYBRID_SHARD"
+        mesh = (
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+            if hybrid
+            else None
+        )
         return FullyShardedDataParallel(
             model,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             mixed_precision=MixedPrecision(param_dtype=case.dtype, reduce_dtype=torch.float32),
             use_orig_params=case.orig_params,
             device_id=torch.device("cpu"),
+            sharding_strategy=getattr(ShardingStrategy, case.strategy),
+            device_mesh=mesh,
         )
     return nn.parallel.DistributedDataParallel(model)
 
@@ -123,11 +145,12 @@ def _grad_truth(
     whole = sampled or (case.wrap == "fsdp2" and not case.clip)
     if case.wrap != "ddp" and not (case.orig_params and whole):
         # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the last
-        # shard with zeros, which add nothing); gathering whole tensors is for sampled steps.
+        # shard with zeros, which add nothing; NO_SHARD: every rank's is the whole, counted
+        # once); gathering whole tensors is for sampled steps.
         local = [_local(p.grad).float() for p in model.parameters() if p.grad is not None]
         squares = torch.stack([g.pow(2).sum() for g in local]).sum()
         dist.all_reduce(squares)
-        return {"norm": math.sqrt(float(squares)), "layers": None}
+        return {"norm": math.sqrt(float(squares) / case.replicas), "layers": None}
     if case.wrap == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 

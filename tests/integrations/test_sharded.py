@@ -144,6 +144,7 @@ def test_sharded_case(matrix: Path, case: Any, sqlite_url: str) -> None:
 
     start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
     assert start["sharding"] == (case.wrap if sharded else None)
+    assert start["shard_replicas"] == (case.replicas if case.wrap == "fsdp1" else None)
     if sharded:  # the shards are fp32; the wrapper's policy computes in case.dtype
         bf16 = str(case.dtype) == "torch.bfloat16"
         assert start["precision"] == ("bf16" if bf16 else "fp16")
@@ -179,9 +180,10 @@ def _assert_layers_combine(
             record = layers[rank][index]
             stats = record["stats"]
             for i, name in enumerate(record["names"]):
-                numel = full[name][1] if case.wrap == "ddp" else shard_numels[rank][name]
+                whole = case.replicas > 1  # DDP, NO_SHARD: each rank the whole gradient
+                numel = full[name][1] if whole else shard_numels[rank][name]
                 share = stats["zero_fraction"][i] * numel
-                zeros[name] = share if case.wrap == "ddp" else zeros.get(name, 0.0) + share
+                zeros[name] = share if whole else zeros.get(name, 0.0) + share
                 peak = wire.decode_float(stats["max_abs_scaled"][i])
                 assert peak is not None
                 peaks[name] = max(peaks.get(name, -1.0), peak)
@@ -194,9 +196,12 @@ def _assert_layers_combine(
 
 def _shard_numels(case: Any) -> list[dict[str, int]]:
     """Each rank's element count of every parameter: FSDP2 shards dim 0 (torch.chunk); FSDP1
-    flattens each wrapped module's parameters in order and gives rank r the r-th half."""
+    flattens each wrapped module's parameters in order and gives rank r the r-th half;
+    under DDP and NO_SHARD every rank holds the whole."""
     model = TinyTransformer(case.final_norm)
     named = [(n, p.shape) for n, p in model.named_parameters()]
+    if case.replicas > 1:
+        return [{n: math.prod(shape) for n, shape in named}] * 2
     if case.wrap == "fsdp2":
         result: list[dict[str, int]] = [{}, {}]
         for name, shape in named:
