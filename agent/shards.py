@@ -233,6 +233,17 @@ def _replicas(grad: torch.Tensor, plain: int | None) -> int | None:
     return replicas
 
 
+def dtensor_replicas(params: Iterable[torch.Tensor]) -> int | None:
+    """On how many ranks each DTensor parameter's local part is held (FSDP2's HSDP: the
+    replicate dimension's size; 1 fully sharded), when all agree; else None.
+
+    >>> dtensor_replicas([torch.ones(2)]) is None  # no DTensor
+    True
+    """
+    found = {_replicas(p, None) for p in params if is_dtensor(p)}
+    return found.pop() if len(found) == 1 and None not in found else None
+
+
 def local_sumsq(
     params: Iterable[torch.Tensor], device: torch.device, *, plain: int | None
 ) -> torch.Tensor | None:

@@ -18,10 +18,8 @@ What combines, and how exactly:
   cut) and activation maxima (not sharded: each rank's own micro-batch). No per-layer sum
   of squares is sent, so there is no per-layer norm to add up; the step's global norm is
   combined at ingest (`grad_norm_parts`).
-- A shard replicated over k ranks (FSDP1 NO_SHARD and hybrid: the agent's `run_start`
-  says how many, `shard_replicas`) is counted once: the sums are divided by k. FSDP2's
-  HSDP (a mesh dimension Replicate) is not reported: there the counts are k times the
-  full tensor's, the fractions and the maximum still exact. Ranks of
+- A shard replicated over k ranks (FSDP1 NO_SHARD and hybrid, FSDP2's HSDP: the agent's
+  `run_start` says how many, `shard_replicas`) is counted once: the sums are divided by k. Ranks of
   an unsharded run (DDP, one process) hold the whole reduced gradient: the lowest rank's
   record is the answer, as it is.
 - FSDP1 flat parameters (`use_orig_params=False`) pad each flat parameter's last shard

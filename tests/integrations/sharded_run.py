@@ -68,12 +68,13 @@ class Case:
     scaler: str | None = None  # "amp", "sharded"
     orig_params: bool = True  # FSDP1
     #: FSDP1's ShardingStrategy; HYBRID_SHARD on a (1 replica group x 2 ranks) mesh.
+    #: FSDP2: "HSDP" on a (2 replicas x 1 rank) mesh.
     strategy: str = "FULL_SHARD"
 
     @property
     def replicas(self) -> int:
         """On how many of the 2 ranks each local gradient is held whole and identical."""
-        return 2 if self.wrap == "ddp" or self.strategy == "NO_SHARD" else 1
+        return 2 if self.wrap == "ddp" or self.strategy in ("NO_SHARD", "HSDP") else 1
 
 
 CASES = (
@@ -84,6 +85,7 @@ CASES = (
     Case("fsdp1_bf16_flat", "fsdp1", torch.bfloat16, orig_params=False),  # no clip: parts
     Case("fsdp1_bf16_no_shard", "fsdp1", torch.bfloat16, strategy="NO_SHARD"),  # parts / 2
     Case("fsdp1_bf16_hybrid", "fsdp1", torch.bfloat16, strategy="HYBRID_SHARD"),
+    Case("fsdp2_bf16_hsdp", "fsdp2", torch.bfloat16, strategy="HSDP"),  # parts / 2
     Case("ddp_fp16", "ddp", torch.float16, scaler="amp"),
 )
 
@@ -93,9 +95,14 @@ def _wrap(case: Case, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=case.dtype, reduce_dtype=torch.float32)
+        mesh = None
+        if case.strategy == "HSDP":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     if case.wrap == "fsdp1":
         from torch.distributed.device_mesh import init_device_mesh

@@ -144,7 +144,7 @@ def test_sharded_case(matrix: Path, case: Any, sqlite_url: str) -> None:
 
     start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
     assert start["sharding"] == (case.wrap if sharded else None)
-    assert start["shard_replicas"] == (case.replicas if case.wrap == "fsdp1" else None)
+    assert start["shard_replicas"] == (case.replicas if sharded else None)
     if sharded:  # the shards are fp32; the wrapper's policy computes in case.dtype
         bf16 = str(case.dtype) == "torch.bfloat16"
         assert start["precision"] == ("bf16" if bf16 else "fp16")
