@@ -161,9 +161,9 @@ def _add_rank(
         for stat in FRACTIONS:
             values = stats.get((rank, stat))
             share = float(values[idx]) if values is not None else math.nan
-            prior = total.counts.get(stat, 0)
-            known = prior is not None and math.isfinite(share)  # else no total: unmeasured
-            total.counts[stat] = prior + round(share * size) if known else None  # type: ignore[operator]
+            prior = total.counts.get(stat, 0)  # None: unmeasured on a rank, so no total
+            unknown = prior is None or not math.isfinite(share)
+            total.counts[stat] = None if prior is None or unknown else prior + round(share * size)
         if size == 0:
             return  # an empty shard has no maximum
     peaks = stats.get((rank, MAXIMUM))
