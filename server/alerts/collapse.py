@@ -28,9 +28,9 @@ The state, `CollapseState` (the median it fell from, the onset, the last value p
 a few numbers), is serialised under the ``collapse`` key of the engine's ``steps`` state.
 
 >>> track = Track()
->>> track.observe(1, 12.18, None, rules.LossCollapse()), track.onset
+>>> track.observe(1, 12.18, None, 1e-3, 0.1), track.onset
 (False, None)
->>> track.observe(2, 1.8e-06, (12.18, 0.0, 1), rules.LossCollapse()), track.onset
+>>> track.observe(2, 1.8e-06, (12.18, 0.0, 1), 1e-3, 0.1), track.onset
 (True, 2)
 """
 
@@ -59,16 +59,16 @@ class Track:
     last_step: int | None = None
 
     def observe(
-        self, s: int, value: float | None, baseline: Baseline | None, rule: rules.LossCollapse
+        self, s: int, value: float | None, baseline: Baseline | None, floor: float, near: float
     ) -> bool:
         """Judge step `s`'s learned `value` (None: not logged, skipped or non-finite: no
-        change); True when the signal is collapsed after it."""
+        change) against `floor` (10^-orders) and `near` (10^-converging_orders); True when
+        the signal is collapsed after it."""
         if value is None:
             return self.onset is not None
         before, before_step = self.last, self.last_step
         self.last, self.last_step = value, s
-        floor = 10.0**-rule.orders
-        if self.onset is not None and self.fell_from is not None:
+        if self.fell_from is not None:
             if 0 <= value <= self.fell_from * floor:
                 return True
             self.onset = self.fell_from = None  # back up: the collapse is over
@@ -76,11 +76,7 @@ class Track:
         if baseline is None or before is None or value < 0:
             return False
         median = baseline[0]
-        if (
-            median > 0
-            and value <= median * floor
-            and before >= median * 10.0**-rule.converging_orders
-        ):
+        if median > 0 and value <= median * floor and before >= median * near:
             self.onset, self.fell_from = covered_from(before_step, s), median
             return True
         return False
@@ -112,8 +108,9 @@ def judge(
 ) -> None:
     """Judge step `s`'s learned loss and grad norm (either may be None) against their
     baselines, and hold or clear the run's `loss_collapse`."""
-    loss_down = state.loss.observe(s, loss, loss_baseline, rule)
-    norm_down = state.grad_norm.observe(s, norm, norm_baseline, rule)
+    floor, near = 10.0**-rule.orders, 10.0**-rule.converging_orders
+    loss_down = state.loss.observe(s, loss, loss_baseline, floor, near)
+    norm_down = state.grad_norm.observe(s, norm, norm_baseline, floor, near)
     if not (loss_down or norm_down):
         if loss is not None or norm is not None:
             tracker.clear(RULE, s)
