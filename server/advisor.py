@@ -87,6 +87,7 @@ PRECURSOR_RULES = frozenset(
         "loss_spike",
         "grad_norm_spike",
         "overflow_burst",
+        "loss_collapse",
     }
 )
 #: Never part of an incident: the agent going quiet says nothing about the weights, and a

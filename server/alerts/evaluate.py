@@ -19,7 +19,8 @@ State (JSON, one row per key):
 
 The rules live by family: `scale` (collapse, floor stall, skip rate, nan_loss's message),
 `activation` (activation_norm_spike), `spikes` (loss / grad-norm spikes, overflow bursts,
-the falling-scale trend), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
+the falling-scale trend), `collapse` (loss_collapse: the loss or grad norm falling off a
+cliff to ~0, against the spike rules' baselines), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
 against the recipe the run_start declares). This module walks a
 batch's steps in order and calls them. A new scalar rule: a settings class in `rules.py`,
 a function in its family's module called from `_evaluate_steps`, a README row.
@@ -45,6 +46,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import SCALER_CALIBRATED, decode_float
+from ampwatch.server.alerts import collapse as collapse_rule
 from ampwatch.server.alerts import rules, spikes
 from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
@@ -268,6 +270,7 @@ def _evaluate_steps(
     loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
     norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
     burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
+    fell: rules.LossCollapse = settings["loss_collapse"]  # type: ignore[assignment]
     d = state
     recent = d.recent
     width = spikes.window_width(settings)
@@ -277,10 +280,10 @@ def _evaluate_steps(
     # What the spike rules learn from each step, and each step's baseline before it.
     losses = [decode_float(record.loss) if record.loss is not None else None for record in steps]
     learned_losses, learned_norms, loss_baselines, norm_baselines = [], [], [], []
-    if loss_rule.enabled:
+    if loss_rule.enabled or fell.enabled:  # loss_collapse judges against the same medians
         learned_losses = [spikes.learned(loss, r.skipped) for loss, r in zip(losses, steps)]
         loss_baselines = spikes.baselines(recent.losses, learned_losses, loss_rule)
-    if norm_rule.enabled:
+    if norm_rule.enabled or fell.enabled:
         learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
         norm_baselines = spikes.baselines(recent.grad_norms, learned_norms, norm_rule)
     judged: Judged = []
@@ -367,6 +370,10 @@ def _evaluate_steps(
                 guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
                       "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
             recent.norm_step = s
+        if fell.enabled:
+            guard("loss_collapse", s, collapse_rule.judge, tracker, d.collapse, s,
+                  learned_losses[i], loss_baselines[i], learned_norms[i], norm_baselines[i],
+                  fell)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
                 d.nan_since = d.nan_since if d.nan_since is not None else s
@@ -384,8 +391,8 @@ def _evaluate_steps(
 
     if spike.enabled:
         d.act = remember(d.act, values, spike.baseline_steps)
-    if loss_rule.enabled:
+    if loss_rule.enabled or fell.enabled:
         recent.losses = remember(recent.losses, learned_losses, loss_rule.baseline_samples)
-    if norm_rule.enabled:
+    if norm_rule.enabled or fell.enabled:
         recent.grad_norms = remember(recent.grad_norms, learned_norms, norm_rule.baseline_samples)
     return judged

@@ -24,7 +24,7 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
@@ -111,9 +111,9 @@ def window_width(settings: dict[str, rules.RuleSettings]) -> int:
     return int(max(collapse.trend_steps, burst.window_steps))
 
 
-@dataclass(frozen=True)
-class Spike:
-    """A value judged against the median of its baseline."""
+class Spike(NamedTuple):
+    """A value judged against the median of its baseline (a tuple: one is built per judged
+    value, and a frozen dataclass's construction was a tenth of the spike rules' cost)."""
 
     value: float
     median: float
@@ -252,10 +252,11 @@ def overflow_burst(
     between two overflows shows that one halving cured the first (DeepSpeed-Chat's healthy
     reward-model run skips 483, 486 and 487, then finishes); a run of them shows the
     gradients outgrowing each halving (tr8b-104B, chinese-llama)."""
-    skips = state.skipped_within(s, rule.window_steps)
     run = state.skipped_run(s, rule.window_steps)
     if not tracker.is_open("overflow_burst") and len(run) < rule.min_skips:
         skips = []  # not yet a storm: the skips so far were each cured by a halving
+    else:  # (counted only then: every step of a run asked for it, a tenth of its judging)
+        skips = state.skipped_within(s, rule.window_steps)
     if len(skips) < rule.min_skips:
         tracker.clear("overflow_burst", s)
         return
