@@ -49,7 +49,11 @@ import math
 from typing import Any, Final, Literal, TypedDict
 
 WIRE_VERSION: Final = 1
-INGEST_PATH: Final = "/api/v1/ingest"
+#: Where the collector serves its HTTP API and mounts the dashboard: one spelling for the
+#: collector, the dashboard's client, the agent and the CLI.
+API_PREFIX: Final = "/api/v1"
+DASHBOARD_PREFIX: Final = "/dashboard"
+INGEST_PATH: Final = f"{API_PREFIX}/ingest"
 
 #: The wire's spellings of the non-finite floats.
 NAN: Final = "NaN"
