@@ -151,7 +151,9 @@ ACTIVATION_STATS: Final = ("activation_max_abs",)
 #: Event kinds the collector understands. `data_position`: {epoch, batch, stride}, the first
 #: batch of the event's step (`ampwatch.agent.data_position`); `resumed`: a process resumed
 #: from a resume plan (`ampwatch.agent.resume`). A collector older than a kind refuses the
-#: batch (422): the agent sends these two only when the loop asks for them.
+#: batch (422): the agent sends these two only when the loop asks for them. `finding`:
+#: {"code", "message", ...details}; the codes that raise a rule are the collector's
+#: (`alerts.rules.FINDING_RULES`), the others are shown as events.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding", "data_position", "resumed")
 
 #: `run_start`'s key for the loss scaler's configured floor (`watch(min_loss_scale=...)`;
@@ -165,14 +167,6 @@ MIN_LOSS_SCALE: Final = "min_loss_scale"
 #: checkpoint): true means its first skips are not warm-up calibration. Absent or false: the
 #: collector judges warm-up from the process's first steps (`rules.LossScaleCollapse`).
 SCALER_CALIBRATED: Final = "scaler_calibrated"
-
-#: `finding` events carry {"code": one of these, "message": str, ...details}.
-FINDING_CODES: Final = (
-    "fp16_params_without_scaler",
-    "bf16_in_use",
-    "fp8_in_use",
-    "clip_before_unscale",
-)
 
 #: Keys of a batch's "dropped" field: records the agent dropped (never blocking training)
 #: since its previous batch was acknowledged.
