@@ -21,9 +21,14 @@ from urllib.parse import quote
 
 import httpx
 
-from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WireFloat, decode_float, encode_float
+from ampwatch.agent.wire import (
+    API_PREFIX,
+    STEP_FLOAT_FIELDS,
+    WireFloat,
+    decode_float,
+    encode_float,
+)
 
-API_PREFIX = "/api/v1"
 #: About two points per horizontal pixel of a wide chart: the most a browser can show.
 STEP_POINTS = 2000
 #: A 200 x 200 heatmap is ~0.3 MB of JSON; the 500 x 500 server default is ~4.6 MB.

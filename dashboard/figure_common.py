@@ -98,11 +98,6 @@ def plot_steps(steps: Sequence[int]) -> np.ndarray:
     return np.asarray(steps, dtype=np.int64)
 
 
-def finite_or_none(value: float | None) -> float | None:
-    """A plotly-ready value: non-finite becomes None, i.e. a gap in the line."""
-    return value if value is not None and math.isfinite(value) else None
-
-
 def format_loss_scale(value: float | None) -> str:
     """A loss scale as people read it: powers of two (all a dynamic scaler produces) as 2^k.
 

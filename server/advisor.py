@@ -2,7 +2,7 @@
 
 A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
 
-1. the loss scale was >= `min_loss_scale` (the run's effective `loss_scale_collapse`
+1. the loss scale was >= `healthy_loss_scale` (the run's effective `loss_scale_collapse`
    `min_scale`, 1.0 by default: the OPT-175B team's "healthy" scalar) and
    not mid-fall: no strict fall of the scale between consecutive steps in the
    `fall_window` steps up to it, nor across its own step (a fall from step s to s+1 means
@@ -107,7 +107,9 @@ MIN_BASELINE_VALUES = 8
 class AdvisorConfig:
     """The advisor's thresholds (module docstring); every one can be overridden."""
 
-    min_loss_scale: float = HEALTHY_LOSS_SCALE
+    #: The lowest healthy loss scale (not the scaler's floor, which `watch()` and
+    #: `run_start` call `min_loss_scale`).
+    healthy_loss_scale: float = HEALTHY_LOSS_SCALE
     fall_window: int = 20
     baseline_buckets: int = 16
     baseline_k: float = 4.0
@@ -329,8 +331,8 @@ def _judge_scale(
     if scale is None:
         verdict.notes.insert(0, "no loss scale reported (no scaler)")
         return
-    if not scale >= config.min_loss_scale:  # NaN fails too
-        verdict.failures.append(f"loss scale {_fmt(scale)} < {_fmt(config.min_loss_scale)}")
+    if not scale >= config.healthy_loss_scale:  # NaN fails too
+        verdict.failures.append(f"loss scale {_fmt(scale)} < {_fmt(config.healthy_loss_scale)}")
     else:
         verdict.notes.insert(0, f"scale {_fmt(scale)}")
     falls = [
@@ -393,18 +395,18 @@ def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
 
 
 def run_config(session: Session, run_id: int, **overrides: Any) -> AdvisorConfig:
-    """The advisor's thresholds for run `run_id`: `min_loss_scale` is the run's effective
+    """The advisor's thresholds for run `run_id`: `healthy_loss_scale` is the run's effective
     `loss_scale_collapse.min_scale` (run > project > file > default), so the advisor and
     the collapse alert agree on what a healthy scale is; `overrides` win over both.
 
-    >>> run_config(session, 7, min_loss_scale=0.5).min_loss_scale  # doctest: +SKIP
+    >>> run_config(session, 7, healthy_loss_scale=0.5).healthy_loss_scale  # doctest: +SKIP
     0.5
     """
-    settings = None if "min_loss_scale" in overrides else settings_of_run(session, run_id)
+    settings = None if "healthy_loss_scale" in overrides else settings_of_run(session, run_id)
     if settings is not None:
         collapse = settings["loss_scale_collapse"]
         assert isinstance(collapse, LossScaleCollapse)
-        overrides["min_loss_scale"] = collapse.min_scale
+        overrides["healthy_loss_scale"] = collapse.min_scale
     return AdvisorConfig(**overrides)
 
 

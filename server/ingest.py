@@ -32,6 +32,7 @@ import math
 import threading
 from collections import OrderedDict
 from datetime import datetime, timezone
+from operator import attrgetter
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -144,10 +145,14 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
     return run
 
 
+#: The step row's columns, in the order `_store_steps` builds each row: the float fields
+#: are bound by name from `STEP_FLOAT_FIELDS` (the one list), so a new field cannot shift
+#: its neighbours' columns.
 _STEP_COLUMNS = (
     "run_id", "rank", "step", "skipped", *STEP_FLOAT_FIELDS, "lr_groups", "act_threshold",
     "act_above",
 )  # fmt: skip
+_step_floats = attrgetter(*STEP_FLOAT_FIELDS)
 
 
 def _store_steps(session: Session, run_id: int, steps: list[StepIn], judged: Judged) -> None:
@@ -167,10 +172,7 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn], judged: Jud
         key = (record.rank, record.step)
         latest[key] = (
             run_id, record.rank, record.step, record.skipped,
-            bind(record.loss), bind(record.loss_scale), bind(record.grad_norm),
-            bind(record.lr), bind(record.act_norm_mean), bind(record.act_norm_max),
-            bind(record.grad_norm_clipped),
-            bind(record.act_prenorm_mean), bind(record.act_prenorm_max),
+            *map(bind, _step_floats(record)),
             None if record.lr_groups is None else record.lr_groups.astype("<f8").tobytes(),
             *verdicts.get(key, (None, None)),
         )  # fmt: skip

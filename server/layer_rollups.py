@@ -290,7 +290,8 @@ def rollups_from_rows(
     run_id: int, rank: int, stat: str, rows: Iterable[tuple[int, bytes]]
 ) -> list[tuple[Any, ...]]:
     """Every level's rows of one (run, rank, statistic) from its raw (step, values) rows,
-    a finest bucket at a time (the migration's backfill; it holds the finest buckets)."""
+    a finest bucket at a time (`bench/query.py`'s bulk build; migration 0011 holds a frozen
+    copy of the reduction as of its revision)."""
     finest: list[tuple[str, int, Extremes]] = []
     bucket: list[tuple[int, bytes]] = []
 

@@ -16,7 +16,7 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
-from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.agent.wire import API_PREFIX, DASHBOARD_PREFIX, INGEST_PATH
 from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import (
@@ -36,9 +36,6 @@ from ampwatch.server.body_limit import BodyLimit
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
-
-API_PREFIX = "/api/v1"
-DASHBOARD_PATH = "/dashboard"
 
 
 def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) -> FastAPI:
@@ -131,18 +128,18 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     token = settings.dashboard_token
     dash = create_dash_app(
         api_url=settings.public_url,
-        requests_pathname_prefix=f"{DASHBOARD_PATH}/",
+        requests_pathname_prefix=f"{DASHBOARD_PREFIX}/",
         token=token.get_secret_value() if token is not None else None,
     )
     # Compressed for a browser across a network (an SSH tunnel to the cluster, say): a
     # first visit's 2.7 MB of scripts and ~0.9 MB of page data shrink to about a third.
     # Level 1: ~10 ms of server CPU per MB; higher levels cost 3x for a few percent more.
     app.mount(
-        DASHBOARD_PATH,
+        DASHBOARD_PREFIX,
         # a2wsgi's ASGI types are stricter than starlette's callable protocol, same shape.
         GZipMiddleware(WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1),  # type: ignore[arg-type]
     )
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
-        return RedirectResponse(f"{DASHBOARD_PATH}/")
+        return RedirectResponse(f"{DASHBOARD_PREFIX}/")

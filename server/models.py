@@ -116,8 +116,8 @@ class SafeString(TypeDecorator[str]):
     batch forever) while SQLite kept it, is stored as U+FFFD on both. Identifiers never
     get here with one (the wire's `Name` refuses it with a 422); free text is kept, marked.
 
-    >>> SafeString().process_bind_param("disk\x00full", None)
-    'disk\ufffdfull'
+    >>> SafeString().process_bind_param("disk\\x00full", None)
+    'disk\\ufffdfull'
     """
 
     impl = String

@@ -43,8 +43,7 @@ FINE_LEVEL = FINEST // LEVEL_FACTOR
 #: The step rollups' levels, finest first (`plan_reads`' `levels` for the step series).
 STEP_LEVELS: tuple[int, ...] = (FINE_LEVEL, *LAYER_LEVELS)
 
-#: The rollup columns up to migration 0012 (its backfill writes only these), as
-#: (name, aggregate over raw steps) in table order after the key.
+#: The extremes of every step field and the skip count, in table order after the key.
 EXTREME_COLUMNS: tuple[str, ...] = (
     "first_step",
     "last_step",
@@ -99,38 +98,35 @@ def level_source(level: int) -> tuple[type[StepRollup | StepRollupLevel], list[A
     return StepRollupLevel, [StepRollupLevel.level == level]
 
 
-def level_rows(
-    dialect: str, level: int, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS
-) -> Any:
+def level_rows(dialect: str, level: int, *where: Any) -> Any:
     """An INSERT .. SELECT upserting the `level`-step rollups from the level below's rows
-    that match `where` (terms on the below level's table, given by `level_source`);
-    `columns`: a migration's own set (0012 predates `THRESHOLD_COLUMNS`)."""
+    that match `where` (terms on the below level's table, given by `level_source`)."""
     source, of_level = level_source(level // LEVEL_FACTOR)
     bucket = (source.bucket_start // level) * level
     rows = (
         select(
             source.run_id, source.rank, *_level_key(level), bucket,
-            *rollup_aggregates(source, columns), func.sum(source.step_count),
+            *rollup_aggregates(source), func.sum(source.step_count),
         )
         .where(*of_level, *where)
         .group_by(source.run_id, source.rank, bucket)
     )  # fmt: skip
-    return _upsert_rows(dialect, level, rows, columns)
+    return _upsert_rows(dialect, level, rows)
 
 
-def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS) -> Any:
+def fine_rows(dialect: str, *where: Any) -> Any:
     """An INSERT .. SELECT upserting the `FINE_LEVEL` rollups of the raw steps that match
-    `where` (ingest's refresh, and migration 0014's backfill)."""
+    `where` (ingest's refresh; migration 0014 holds a frozen copy as of its revision)."""
     bucket = (Step.step // FINE_LEVEL) * FINE_LEVEL
     rows = (
         select(
             Step.run_id, Step.rank, *_level_key(FINE_LEVEL), bucket,
-            *step_aggregates(columns), func.count(),
+            *step_aggregates(), func.count(),
         )
         .where(*where)
         .group_by(Step.run_id, Step.rank, bucket)
     )  # fmt: skip
-    return _upsert_rows(dialect, FINE_LEVEL, rows, columns)
+    return _upsert_rows(dialect, FINE_LEVEL, rows)
 
 
 def _level_key(level: int) -> list[Any]:
@@ -138,9 +134,10 @@ def _level_key(level: int) -> list[Any]:
     return [] if level == ROLLUP_WIDTH else [literal(level, Integer)]
 
 
-def _upsert_rows(dialect: str, level: int, rows: Any, columns: tuple[str, ...]) -> Any:
-    """`rows` (run, rank, [level,] bucket start, `columns`, step count) upserted into the
-    table of `level` (`level_source`)."""
+def _upsert_rows(dialect: str, level: int, rows: Any) -> Any:
+    """`rows` (run, rank, [level,] bucket start, `ROLLUP_COLUMNS`, step count) upserted
+    into the table of `level` (`level_source`)."""
+    columns = ROLLUP_COLUMNS
     table, _ = level_source(level)
     key = ["run_id", "rank", *(["level"] if _level_key(level) else []), "bucket_start"]
     statement = insert_for(dialect, table).from_select([*key, *columns, "step_count"], rows)

@@ -115,6 +115,11 @@ class Settings(BaseSettings):
         description="TOML file of alert thresholds: [rules.<rule>] and "
         "[projects.<project>.rules.<rule>] sections (README, 'Alert rules').",
     )
+    assets_dir: Path | None = Field(
+        default=None,
+        description="Folder of fetched browser assets (`ampwatch fetch-plotly`); default: "
+        "<python prefix>/share/ampwatch, so a fresh venv starts without stale files.",
+    )
     dashboard_token: SecretStr | None = Field(
         default=None,
         description="Token the mounted dashboard sends to this collector's API; whoever "

@@ -582,7 +582,7 @@ RULES: dict[str, Rule] = {
     )
 }  # fmt: skip
 
-#: Agent finding codes (wire FINDING_CODES) that raise a rule. `bf16_in_use` and
+#: Agent finding codes (a `finding` event's `code`) that raise a rule. `bf16_in_use` and
 #: `fp8_in_use` are facts, not faults: they stay events, shown on the run page.
 FINDING_RULES: dict[str, str] = {
     "fp16_params_without_scaler": "fp16_without_scaler",

@@ -15,7 +15,7 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ValidationError
 
-from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.agent.wire import API_PREFIX, INGEST_PATH
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.errors import validation_detail
@@ -99,7 +99,7 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 @router.post(
-    INGEST_PATH.removeprefix("/api/v1"),
+    INGEST_PATH.removeprefix(API_PREFIX),
     response_model=IngestAck,
     responses={**NOT_YOURS, **BODY_ERRORS},
 )
