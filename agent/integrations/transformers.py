@@ -5,8 +5,9 @@ source): it builds an accelerate `Accelerator`, whose `AcceleratedOptimizer` hol
 optimizer (`.optimizer`) and, for FP16 on a GPU, the GradScaler (`.scaler`); the callback
 gets that optimizer in `on_train_begin` and `watch()` unwraps both. The Trainer clips with
 `accelerator.clip_grad_norm_` (`max_grad_norm`, default 1.0, or `inf` just to measure),
-which calls `torch.nn.utils.clip_grad_norm_`: the stored grad norm is the one it returned,
-before clipping, which is also what the Trainer logs as `grad_norm`. It steps the optimizer
+which calls `torch.nn.utils.clip_grad_norm_` (accelerate < 1.16) or `get_total_norm` then
+`clip_grads_with_norm_` (>= 1.16; both tapped by `agent/clipping.py`): the stored grad norm
+is the one it computed, before clipping, which is also what the Trainer logs as `grad_norm`. It steps the optimizer
 once per accumulation boundary, then the lr scheduler, so the lr read at the step is the
 one in effect.
 
