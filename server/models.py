@@ -305,6 +305,27 @@ class GradNormPart(Base):
     parts: Mapped[int] = mapped_column(Integer)
 
 
+class AbandonedStep(Base):
+    """A step a resumed run abandoned: recorded after the resume plan's checkpoint
+    (`from_step` of the `resumed` event) before the run was resumed from it. Moved here out
+    of `steps` when the `resumed` event is stored (`ampwatch.server.rollback`), so `steps`
+    and its rollups hold the live branch only while the abandoned tail stays drawable (the
+    run page greys it). `branch` numbers the run's resumes from 1. Only the fields the
+    rollback is drawn with are kept."""
+
+    __tablename__ = "abandoned_steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    branch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    from_step: Mapped[int] = mapped_column(BigInteger)
+    skipped: Mapped[bool] = mapped_column(Boolean)
+    loss: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    loss_scale: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    grad_norm: Mapped[float | None] = mapped_column(NonFiniteFloat)
+
+
 class _StepExtremes:
     """The columns a step rollup of any level holds after its key: the bucket's first and
     last step, its skip and step counts, and min and max of every step field."""
