@@ -108,6 +108,7 @@ def ingest_batch(
     for event in batch.events:  # before this batch's steps: they may be the new branch's
         if event.kind == "resumed" and event.step is not None:
             retire_abandoned_steps(session, run.id, event.step)
+            run.resumed_at = now  # alerts started before it belong to the abandoned branch
     _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads grad_norm
     judged = evaluate_batch(session, run, batch, now=now) if evaluate_alerts else []
     _store_steps(session, run.id, batch.steps, judged or [])

@@ -242,6 +242,10 @@ class Run(Base):
     #: Raw layer samples before this step were aged into the rollups
     #: (`ampwatch.server.layer_rollups.age_layer_stats`); NULL when none were.
     layer_stats_aged_before: Mapped[int | None] = mapped_column(BigInteger)
+    #: When the collector stored the run's latest `resumed` event (`watch(resume_from=)`):
+    #: alerts started before it belong to abandoned branches (the advisor's incident is
+    #: the live branch's); NULL if never resumed.
+    resumed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
 
 
 class IngestedBatch(Base):

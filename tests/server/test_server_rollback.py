@@ -1,6 +1,7 @@
 """A run resumed from a plan keeps both branches: the `resumed` event moves the steps after
 its checkpoint to `abandoned_steps` (served at `/abandoned-steps`), and the live series, its
-rollups and the run's totals hold the new branch only -- on SQLite and PostgreSQL."""
+rollups and the run's totals hold the new branch only; a plan made after the resume answers
+the live branch's incident -- on SQLite and PostgreSQL."""
 
 from __future__ import annotations
 
@@ -9,12 +10,15 @@ import math
 from typing import Any
 
 import httpx
+from alert_feed import Feed
 from sqlalchemy import delete, select
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, decode_float
+from ampwatch.server.advisor import AdvisorConfig, restart_candidates
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.models import RunStepTotals, StepRollup, StepRollupLevel
+from ampwatch.server.resume_plan import resume_plan
 from ampwatch.server.rollups import refresh_step_rollups
 
 RUNS = "/api/v1/runs"
@@ -137,3 +141,43 @@ def test_a_resume_keeps_the_abandoned_tail_and_serves_the_new_branch(
             assert totals.skipped_steps == skipped
     finally:
         engine.dispose()
+
+
+def _checkpoints(first: int, last: int) -> list[Any]:
+    return [
+        {"kind": "checkpoint", "step": s, "time": 1.0 + s, "data": {"path": f"/c/{s}.pt"}}
+        for s in range(first, last + 1)
+        if s % 20 == 0
+    ]
+
+
+def _steps(first: int, last: int, nan_at: int) -> list[Any]:
+    return [
+        step_record(s, loss=math.nan if s == nan_at else 2.0, loss_scale=2.0**16)
+        for s in range(first, last + 1)
+    ]
+
+
+def test_a_plan_after_a_resume_answers_the_new_incident(feed: Feed) -> None:
+    """First incident: a NaN loss at step 90; resumed from the checkpoint at 60; a second
+    NaN loss at 140. The plan names the second incident, the checkpoint before it, and none
+    of the abandoned branch's checkpoints (80 was saved after the step resumed from)."""
+    feed.send_steps(_steps(1, 95, nan_at=90), per_batch=95)
+    feed.send(events=_checkpoints(1, 95))
+    with feed.sessions() as session:
+        first = resume_plan(session, feed.run().id, config=AdvisorConfig())
+    assert (first.onset_step, first.onset_rule) == (90, "nan_loss")
+    assert first.checkpoint is not None and first.checkpoint.step == 60
+
+    resumed = {"kind": "resumed", "step": 60, "time": 500.0, "data": {"from_step": 60}}
+    feed.send(_steps(61, 100, nan_at=0), events=[resumed], stream="5eee")
+    feed.send(_steps(101, 145, nan_at=140), events=_checkpoints(61, 145), stream="5eee")
+    with feed.sessions() as session:
+        plan = resume_plan(session, feed.run().id, config=AdvisorConfig())
+        listed = [c.step for c in restart_candidates(session, feed.run().id).candidates]
+    assert (plan.onset_step, plan.onset_rule) == (140, "nan_loss")
+    assert plan.checkpoint is not None and plan.checkpoint.step == 120
+    assert plan.skip is not None and (plan.skip.start, plan.skip.end) == (121, 160)
+    # The live branch's checkpoints only: 80 of the abandoned branch is gone, the new
+    # process's 80 (saved after the resume) is judged once.
+    assert sorted(listed) == [20, 40, 60, 80, 100, 120, 140]

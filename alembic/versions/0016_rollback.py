@@ -1,4 +1,5 @@
-"""`abandoned_steps`: the tail a resumed run abandoned, kept for the run page's rollback.
+"""`abandoned_steps`: the tail a resumed run abandoned, kept for the run page's rollback;
+`runs.resumed_at`: when the latest resume was stored (the advisor's live branch).
 
 Revision ID: 0016
 Revises: 0015
@@ -7,7 +8,8 @@ Create Date: 2026-12-02
 `watch(resume_from=plan)` re-sends the steps after the plan's checkpoint, which would
 overwrite the abandoned ones in `steps`; the collector moves them here at the `resumed`
 event (`ampwatch.server.rollback`). A frozen snapshot of the columns: imports nothing from
-the package. Runs resumed before this revision overwrote their tails: nothing to backfill.
+the package. Runs resumed before this revision overwrote their tails and have no
+`resumed_at`: nothing to backfill.
 """
 
 from __future__ import annotations
@@ -42,6 +44,10 @@ def upgrade() -> None:
         ),
     )
 
+    op.add_column("runs", sa.Column("resumed_at", sa.DateTime(timezone=True), nullable=True))
+
 
 def downgrade() -> None:
+    with op.batch_alter_table("runs") as batch:
+        batch.drop_column("resumed_at")
     op.drop_table("abandoned_steps")
