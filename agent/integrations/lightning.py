@@ -36,6 +36,15 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
 - DDP: every rank's callback attaches (the run id is rank 0's, broadcast once), rank 0
   sends the step scalars, every rank its layer statistics.
 
+Data position (`handle.data_position`): each step's first `batch_idx` and
+`trainer.current_epoch`, so a resume plan lists the batches to skip. Lightning's `batch_idx`
+is the data's own when the fit starts at an epoch's start or the dataloader is resumable
+(the `state_dict` / `load_state_dict` interface Lightning saves in the checkpoint); a
+mid-epoch resume of another loader restarts its data while `batch_idx` continues (Lightning
+warns). The relaunch: `trainer.fit(model, loader, ckpt_path=plan.path)` with
+`AmpwatchCallback(resume_from=plan)`, and `training_step` returning None for
+`plan.skips(batch_idx, self.current_epoch)` (Lightning then skips that batch).
+
 The run ends `finished` at `on_train_end`, `failed` (with the exception) at
 `on_exception`; `teardown` detaches whatever is still attached.
 
@@ -138,6 +147,8 @@ class AmpwatchCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._loss_taken = False
+        if self.handle is not None:  # a resume plan then lists batches, not only steps
+            self.handle.data_position(batch_idx, epoch=trainer.current_epoch)
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
