@@ -269,6 +269,39 @@ class LayerMatrix:
 
 
 @dataclass(frozen=True)
+class AbandonedTail:
+    """One entry of `GET /runs/{id}/abandoned-steps`: the steps a resume abandoned (recorded
+    after `from_step`, the plan's checkpoint, before the run resumed from it)."""
+
+    branch: int
+    from_step: int
+    step: list[int]
+    skipped: list[bool]
+    loss: list[float | None]
+    loss_scale: list[float | None]
+    grad_norm: list[float | None]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AbandonedTail:
+        return cls(
+            branch=int(data["branch"]),
+            from_step=int(data["from_step"]),
+            step=[int(s) for s in data["step"]],
+            skipped=[bool(s) for s in data["skipped"]],
+            loss=_decode_all(data["loss"]),
+            loss_scale=_decode_all(data["loss_scale"]),
+            grad_norm=_decode_all(data["grad_norm"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "branch": self.branch, "from_step": self.from_step, "step": self.step,
+            "skipped": self.skipped, "loss": _encode_all(self.loss),
+            "loss_scale": _encode_all(self.loss_scale), "grad_norm": _encode_all(self.grad_norm),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RunEvent:
     """One entry of `GET /runs/{id}/events` (run start, checkpoint, run end, finding)."""
 
@@ -656,6 +689,15 @@ class CollectorClient:
             return self._get(path, parse, **params)
         except RunNotFound:
             return None
+
+    def abandoned_steps(self, run_id: int) -> list[AbandonedTail]:
+        """Rank 0's tails abandoned by resumes, oldest first ([] from a collector without
+        the route)."""
+        tails = self._get_optional(
+            f"/runs/{run_id}/abandoned-steps",
+            lambda data: [AbandonedTail.from_json(t) for t in data["tails"]],
+        )
+        return tails or []
 
     def events(self, run_id: int) -> list[RunEvent]:
         return self._get(

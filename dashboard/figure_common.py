@@ -28,6 +28,9 @@ LOSS_COLOR = "#444444"
 
 CHECKPOINT_COLOR = "#2ca02c"
 
+#: Steps a resume abandoned (`AbandonedTail`): drawn under the live branch, greyed.
+ABANDONED_COLOR = "#b8b8b8"
+
 FROZEN_COLOR = "#d62728"
 
 MAX_LOG2_TICKS = 10

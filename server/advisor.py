@@ -27,9 +27,12 @@ margin), because the batches just before and at a spike are its likeliest trigge
 team restarted ~100 steps before a spike and skipped 200-500 batches; Lightning's
 SpikeDetection writes the spike's batch and the one before it to skip_batches.json).
 
-The incident is the first one that reached critical: the critical alert that fired first,
-plus every precursor (`PRECURSOR_RULES`, or any critical alert) still open, or resolved
-less than `incident_gap` steps, when the incident's earliest member started. Its onset is
+The incident is the first one that reached critical in the run's live branch (after a
+resume from a plan, only the alerts and checkpoints since the resume count: `run_alerts`,
+`run_checkpoints(live=True)`; the abandoned steps were moved aside,
+`ampwatch.server.rollback`): the critical alert that fired first, plus every precursor
+(`PRECURSOR_RULES`, or any critical alert) still open, or resolved less than
+`incident_gap` steps, when the incident's earliest member started. Its onset is
 the earliest `started_step` among them: for OPT-175B's signature that is the activation
 norm spike, not the collapse of the scale that followed.
 
@@ -64,7 +67,7 @@ from ampwatch.server.alerts.config import settings_of_run
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Step, StepRollup
+from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.advisor import (
     DataSkip,
@@ -381,6 +384,11 @@ def _judge_act_norm(
 
 
 def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
+    """The alerts of the run's live branch: after a resume from a plan, only those started
+    since (`Run.resumed_at`); the abandoned branch's incident is over, and chaining back
+    into it would put a new incident's onset before the checkpoint the run resumed from."""
+    run = session.get(Run, run_id)
+    since = () if run is None or run.resumed_at is None else (Alert.started_at >= run.resumed_at,)
     rows = session.execute(
         select(
             Alert.rule,
@@ -389,7 +397,7 @@ def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
             Alert.started_step,
             Alert.fired_step,
             Alert.resolved_step,
-        ).where(Alert.run_id == run_id)
+        ).where(Alert.run_id == run_id, *since)
     ).all()
     return [_AlertSpan(*row) for row in rows]
 
@@ -432,7 +440,7 @@ def restart_candidates(
             select(func.max(Step.step)).where(Step.run_id == run_id, Step.rank == config.rank)
         )
         margin_steps = margin_for(last_step, config=config)
-    checkpoints = run_checkpoints(session, run_id).checkpoints
+    checkpoints = run_checkpoints(session, run_id, live=True).checkpoints
     first_bad = first_non_finite_loss(session, run_id, config.rank) if checkpoints else None
     judged = [
         (c, _judge(session, run_id, c, alerts, onset, margin_steps, config, first_bad))

@@ -4,7 +4,9 @@ Idempotency: every stored batch leaves its (run, stream, seq) in `ingested_batch
 batch seen before is acknowledged as a duplicate and changes nothing, so an agent may retry
 freely. The stream (one per agent process) keeps the ranks of a run, and a run resumed
 under the same id, from claiming each other's sequence numbers.
-Within and across batches a re-sent step (or layer-stats row) overwrites the earlier one.
+Within and across batches a re-sent step (or layer-stats row) overwrites the earlier one,
+except across a `resumed` event: the steps after its checkpoint are moved aside first
+(`ampwatch.server.rollback`), so the abandoned tail is kept and the new branch stored anew.
 
 Sequence numbers need not arrive in order: any (run, stream, seq) not stored yet is applied. The
 agent replays its spool in order, but a retry of batch n can land after batch n+1 went
@@ -72,6 +74,7 @@ from ampwatch.server.models import (
     utcnow,
 )
 from ampwatch.server.packed import pack_row
+from ampwatch.server.rollback import retire_abandoned_steps
 from ampwatch.server.rollups import refresh_step_rollups
 from ampwatch.server.schemas.runs import IngestAck
 from ampwatch.server.schemas.wire import BatchIn, EventIn, LayerStatsIn, StepIn
@@ -104,6 +107,10 @@ def ingest_batch(
     # The alert rules first, in this transaction (they read only their own state, never the
     # stored rows), so that what activation_norm_spike judged goes into the step rows'
     # own upsert: a separate UPDATE of 2,000 rows cost ~20 ms a batch on SQLite.
+    for event in batch.events:  # before this batch's steps: they may be the new branch's
+        if event.kind == "resumed" and event.step is not None:
+            retire_abandoned_steps(session, run.id, event.step)
+            run.resumed_at = now  # alerts started before it belong to the abandoned branch
     late = _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads them
     judged = (
         evaluate_batch(session, run, batch, now=now, late_norms=late) if evaluate_alerts else []

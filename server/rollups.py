@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, bindparam, case, func, literal, select
+from sqlalchemy import BigInteger, Integer, bindparam, case, delete, func, literal, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import STEP_FLOAT_FIELDS
@@ -163,6 +163,11 @@ class _Refresh:
     finest: Any
     levels: tuple[tuple[int, Any], ...]
     totals: Any
+    #: After deleted steps: each level's rows in the span, dropped before the recompute (an
+    #: emptied bucket has no rows to recompute it from), and the totals with the last step
+    #: set rather than raised.
+    drops: tuple[tuple[int, Any], ...]
+    lowered: Any
 
 
 @functools.cache
@@ -201,27 +206,54 @@ def _refresh_statements(dialect: str) -> _Refresh:
         skipped_steps=_param("skipped"), last_step=_param("last_step"),
     )  # fmt: skip
     table = RunStepTotals.__table__.c
-    # Steps are never deleted apart from their run, so a (run, rank)'s last step only rises.
+    added = {
+        "steps": table.steps + totals.excluded.steps,
+        "skipped_steps": table.skipped_steps + totals.excluded.skipped_steps,
+    }
+    # Steps are deleted only as a resume's abandoned tail (`lowered`), so otherwise a
+    # (run, rank)'s last step only rises.
+    lowered = totals.on_conflict_do_update(
+        index_elements=["run_id", "rank"], set_={**added, "last_step": totals.excluded.last_step}
+    )
     totals = totals.on_conflict_do_update(
         index_elements=["run_id", "rank"],
         set_={
-            "steps": table.steps + totals.excluded.steps,
-            "skipped_steps": table.skipped_steps + totals.excluded.skipped_steps,
+            **added,
             "last_step": case(
                 (totals.excluded.last_step > table.last_step, totals.excluded.last_step),
                 else_=table.last_step,
             ),
         },
     )
-    return _Refresh(counted, fine, finest, tuple(levels), totals)
+    drops = []
+    for level in (FINE_LEVEL, ROLLUP_WIDTH, *LAYER_LEVELS[1:]):
+        source, of_level = level_source(level)
+        drops.append(
+            (
+                level,
+                delete(source).where(
+                    *of_level,
+                    source.run_id == run_id,
+                    source.rank == rank,
+                    source.bucket_start.between(low, high),
+                ),
+            )
+        )
+    return _Refresh(counted, fine, finest, tuple(levels), totals, tuple(drops), lowered)
 
 
 def refresh_step_rollups(
-    session: Session, run_id: int, spans: Iterable[tuple[int, int, int]]
+    session: Session,
+    run_id: int,
+    spans: Iterable[tuple[int, int, int]],
+    *,
+    deleted: bool = False,
 ) -> None:
     """Recompute the rollups covering steps `first..last` of `rank`, per (rank, first, last),
     and move the run's `run_step_totals` (created at the first batch; the caller holds the
-    run's lock) by what the recomputed rollups changed.
+    run's lock) by what the recomputed rollups changed. `deleted`: the spans' steps were
+    deleted (a resume's abandoned tail, `ampwatch.server.rollback`): their rollup rows are
+    dropped and recomputed from what is left, and the rank's last step falls to `first - 1`.
 
     >>> refresh_step_rollups(session, run.id, [(0, 1, 2000)])  # doctest: +SKIP
     """
@@ -237,19 +269,25 @@ def refresh_step_rollups(
             "high": last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1,
         }
         steps_before, skipped_before = connection.execute(statements.counted, span).one()
+        if deleted:  # the same bucket ranges the recompute below covers, level by level
+            for level, statement in statements.drops:
+                aligned = level if level > ROLLUP_WIDTH else ROLLUP_WIDTH
+                connection.execute(statement, {**span, **_bounds(first, last, aligned)})
         connection.execute(statements.fine, span)
         connection.execute(statements.finest, span)
         for level, statement in statements.levels:
-            connection.execute(
-                statement,
-                {**span, "low": first // level * level, "high": last // level * level + level - 1},
-            )
+            connection.execute(statement, {**span, **_bounds(first, last, level)})
         steps_after, skipped_after = connection.execute(statements.counted, span).one()
         totals = {
             "run_id": run_id,
             "rank": rank,
             "steps": int(steps_after - steps_before),
             "skipped": int(skipped_after - skipped_before),
-            "last_step": last,
+            "last_step": first - 1 if deleted else last,
         }
-        connection.execute(statements.totals, totals)
+        connection.execute(statements.lowered if deleted else statements.totals, totals)
+
+
+def _bounds(first: int, last: int, level: int) -> dict[str, int]:
+    """The whole `level`-step buckets covering steps `first..last`."""
+    return {"low": first // level * level, "high": last // level * level + level - 1}

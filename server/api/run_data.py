@@ -18,10 +18,11 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
-from ampwatch.server import full_layers, history, queries, series
+from ampwatch.server import full_layers, history, queries, rollback, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
+    AbandonedTails,
     CheckpointsPublic,
     EventsPublic,
     FullLayers,
@@ -103,6 +104,13 @@ def get_steps(
     answer = series.step_series(session, run_id, rank, start=start, end=end, max_points=max_points)
     answer.rule_lines = rule_lines(session, run_id, answer)
     return _json(answer)
+
+
+@router.get("/{run_id}/abandoned-steps", response_model=AbandonedTails)
+def get_abandoned_steps(run_id: RunIdDep, session: SessionDep, rank: RankQuery = 0) -> Response:
+    """One rank's steps that resumes abandoned (`watch(resume_from=plan)`): per resume, the
+    steps recorded after the plan's checkpoint before the resume, for the rollback view."""
+    return _json(rollback.abandoned_tails(session, run_id, rank))
 
 
 @router.get("/{run_id}/layers", response_model=LayerMatrix)

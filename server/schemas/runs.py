@@ -116,6 +116,28 @@ class ScaleRuleLines(BaseModel):
     floor_headroom_scale: float | None = None
 
 
+class AbandonedTail(BaseModel):
+    """The steps one resume abandoned (recorded after `from_step`, the plan's checkpoint,
+    before the run was resumed from it; `ampwatch.server.rollback`), ordered by step;
+    floats in the wire encoding. `branch`: the run's resume it belongs to, from 1."""
+
+    branch: int
+    from_step: int
+    step: list[int]
+    skipped: list[bool]
+    loss: list[WireFloat | None]
+    loss_scale: list[WireFloat | None]
+    grad_norm: list[WireFloat | None]
+
+
+class AbandonedTails(BaseModel):
+    """One rank's abandoned tails, oldest resume first; `left_off`: steps not sent (the
+    answer's bound, `MAX_ABANDONED_STEPS`, keeps the newest resumes')."""
+
+    tails: list[AbandonedTail]
+    left_off: int = 0
+
+
 class RuleLines(BaseModel):
     """The run's rule lines, resolved as the rule engine resolves its settings (run >
     project > alerts file > default: `ampwatch.server.alerts.config`), for the charts."""
