@@ -242,6 +242,9 @@ class Run(Base):
     #: Raw layer samples before this step were aged into the rollups
     #: (`ampwatch.server.layer_rollups.age_layer_stats`); NULL when none were.
     layer_stats_aged_before: Mapped[int | None] = mapped_column(BigInteger)
+    #: Bumped by every write that changes what the run's reads answer
+    #: (`ampwatch.server.run_version`): the ETag of those answers.
+    version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class IngestedBatch(Base):
