@@ -108,6 +108,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         app.include_router(api.router, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
     # The routes + the alerts file.
     alerts.mount(app, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
+    app.state.tagged_answers = conditional.TaggedAnswers()
     app.state.answer_tag = conditional.answer_tag(
         app.state.migration_head, app.state.sessionmaker.kw["info"]
     )

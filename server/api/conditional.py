@@ -9,6 +9,9 @@ id) and `answer_tag`: the package version, the schema and the alerts file, which
 answers without bumping any run. Routes whose answers change without a bump (alerts, which
 an ack or the sweep moves; the advisor) are not tagged.
 
+The tagged answers are also kept, per process (`TaggedAnswers`, by URL and tag): a
+thousand viewers of one run, each without the tag, cost one query per change of the run.
+
 The runs list answers from many runs, so its tag is a digest of the answer (`digest_tag`):
 it still runs its (small) query, and saves the bytes and the caller's decoding.
 Answers say `Cache-Control: no-cache`: a browser keeps them, and asks again each time.
@@ -17,6 +20,7 @@ Answers say `Cache-Control: no-cache`: a browser keeps them, and asks again each
 from __future__ import annotations
 
 import hashlib
+from collections import OrderedDict
 from datetime import datetime
 from importlib import metadata
 
@@ -27,6 +31,46 @@ from fastapi import Request, Response
 RUN_VERSION_KEY = "ampwatch.run_version"
 ETAG_KEY = "ampwatch.etag"
 CACHE_CONTROL = "no-cache"
+
+
+#: Bytes of tagged answers a collector process keeps; one answer at most an eighth of it.
+KEPT_ANSWER_BYTES = 64 * 1024 * 1024
+
+
+class TaggedAnswers:
+    """Tagged answers by (URL, tag), least recently used out first, at most `max_bytes`.
+
+    A tag names the run's version, so an entry is never stale: a write bumps the version
+    and later requests look for another tag. Used on the event loop only (no lock)."""
+
+    def __init__(self, max_bytes: int = KEPT_ANSWER_BYTES) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[tuple[str, str], tuple[bytes, str]] = OrderedDict()
+
+    def get(self, url: str, tag: str) -> tuple[bytes, str] | None:
+        entry = self._entries.get((url, tag))
+        if entry is not None:
+            self._entries.move_to_end((url, tag))
+        return entry
+
+    def put(self, url: str, tag: str, body: bytes, media_type: str) -> None:
+        if len(body) > self._max_bytes // 8:
+            return
+        old = self._entries.pop((url, tag), None)
+        self._bytes += len(body) - (len(old[0]) if old else 0)
+        self._entries[(url, tag)] = (body, media_type)
+        while self._bytes > self._max_bytes:
+            _, (evicted, _) = self._entries.popitem(last=False)
+            self._bytes -= len(evicted)
+
+
+class Kept(Exception):
+    """The answer of this URL at this tag is kept: `deps.SessionRoute` sends it."""
+
+    def __init__(self, tag: str, body: bytes, media_type: str) -> None:
+        super().__init__(tag)
+        self.tag, self.body, self.media_type = tag, body, media_type
 
 
 class NotModified(Exception):
@@ -69,15 +113,34 @@ def check_run(request: Request, run_id: int) -> None:
     tag = f'"r{run_id}.{stamp}.{version}.{request.app.state.answer_tag}"'
     if held(request, tag):
         raise NotModified(tag)
+    kept = request.app.state.tagged_answers.get(_url(request), tag)
+    if kept is not None:
+        raise Kept(tag, *kept)
     request.scope[ETAG_KEY] = tag
 
 
+def _url(request: Request) -> str:
+    return f"{request.url.path}?{request.url.query}"
+
+
+def kept_response(kept: Kept) -> Response:
+    return Response(
+        kept.body,
+        media_type=kept.media_type,
+        headers={"ETag": kept.tag, "Cache-Control": CACHE_CONTROL},
+    )
+
+
 def tag_response(request: Request, response: Response) -> Response:
-    """`response` with the tag `check_run` left, when it is a 200."""
+    """`response` with the tag `check_run` left, when it is a 200; its body is kept."""
     tag = request.scope.get(ETAG_KEY)
     if tag is not None and response.status_code == 200:
         response.headers["ETag"] = tag
         response.headers["Cache-Control"] = CACHE_CONTROL
+        body = getattr(response, "body", None)  # a streamed answer has none: not kept
+        if isinstance(body, bytes):
+            media_type = response.media_type or "application/json"
+            request.app.state.tagged_answers.put(_url(request), tag, body, media_type)
     return response
 
 

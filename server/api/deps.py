@@ -93,6 +93,8 @@ class SessionRoute(APIRoute):
                 response = await handler(StrictJSONRequest(request.scope, request.receive))
             except conditional.NotModified as unchanged:  # from `RunReadDep`
                 return conditional.not_modified(unchanged)
+            except conditional.Kept as kept:  # from `RunReadDep`
+                return conditional.kept_response(kept)
             return conditional.tag_response(request, response)
 
         return caller_first

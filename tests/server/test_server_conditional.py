@@ -15,7 +15,7 @@ from webhook_receiver import WebhookReceiver
 from wire_batches import layer_record, make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import queries
+from ampwatch.server import queries, series
 
 RUNS = "/api/v1/runs"
 
@@ -166,3 +166,26 @@ def test_an_ingest_that_queues_a_notification_wakes_the_delivery(
         assert answer.status_code == 200, answer.text
         [body] = receiver.wait_for("/hook", 1, timeout=20)
         assert (body["alert"]["rule"], body["transition"]) == ("nan_loss", "firing")
+
+
+def test_a_run_answer_is_computed_once_per_change_for_every_viewer(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Viewers without the tag get the kept answer (`TaggedAnswers`): one query per change."""
+    calls: list[int] = []
+    real = series.step_series
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(series, "step_series", counted)
+    run_id = ingest(client, 0, [0, 1])
+    path = f"{RUNS}/{run_id}/steps"
+    first, second = client.get(path), client.get(path)
+    assert (first.status_code, second.status_code, len(calls)) == (200, 200, 1)
+    assert second.content == first.content and second.headers["etag"] == first.headers["etag"]
+    assert client.get(f"{path}?max_points=10").status_code == 200 and len(calls) == 2
+    ingest(client, 1, [2])
+    third = client.get(path)
+    assert len(calls) == 3 and third.json()["step"] == [0, 1, 2]
