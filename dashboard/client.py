@@ -13,7 +13,10 @@ must tell "not measured" (null) from "measured NaN".
 
 from __future__ import annotations
 
+import json
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -509,6 +512,39 @@ class RestartAdvice:
         }
 
 
+class AnswerCache:
+    """Tagged answers by URL, least recently used first out, at most `max_bytes` in all:
+    one per dashboard app, shared by its viewers, so a run that a thousand people watch
+    is read once per change. Bytes, not parsed objects: a caller may change what it got.
+    Callbacks run on several threads, hence the lock.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> tuple[str, bytes] | None:
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None:
+                self._entries.move_to_end(url)
+            return entry
+
+    def put(self, url: str, tag: str, content: bytes) -> None:
+        if len(content) > self._max_bytes // 4:  # one answer never evicts the rest
+            return
+        with self._lock:
+            old = self._entries.pop(url, None)
+            self._bytes -= len(old[1]) if old else 0
+            self._entries[url] = (tag, content)
+            self._bytes += len(content)
+            while self._bytes > self._max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= len(evicted)
+
+
 class CollectorClient:
     """Reads runs and their series from a collector; one instance per dashboard app.
 
@@ -535,14 +571,21 @@ class CollectorClient:
             headers=headers,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
+        self._answers = AnswerCache()
 
     def _get(self, path: str, parse: Callable[[Any], T], **params: str | int | None) -> T:
         """GET `path` and parse its JSON; every failure becomes a `CollectorError`.
 
-        Parameters that are None are left out (the collector's default applies)."""
+        Parameters that are None are left out (the collector's default applies). An
+        answer the collector tagged is kept (`AnswerCache`) and asked for again with its
+        tag: while the run has not changed, the collector answers 304 without its query."""
         query = {name: value for name, value in params.items() if value is not None}
+        key = str(self._http.build_request("GET", path, params=query).url)
+        held = self._answers.get(key)
         try:
-            response = self._http.get(path, params=query)
+            response = self._http.get(
+                path, params=query, headers={"If-None-Match": held[0]} if held else None
+            )
         except httpx.HTTPError as exc:
             raise CollectorError(
                 f"cannot reach the collector at {self.api_url} ({exc}); is it running?"
@@ -553,8 +596,13 @@ class CollectorClient:
             raise CollectorError(
                 f"the collector answered {response.status_code} for {path}: {response.text[:200]}"
             )
+        content = response.content
+        if response.status_code == 304 and held is not None:
+            content = held[1]
+        elif "etag" in response.headers:
+            self._answers.put(key, response.headers["etag"], content)
         try:
-            return parse(response.json())
+            return parse(json.loads(content))
         except (KeyError, TypeError, ValueError) as exc:
             raise CollectorError(
                 f"unexpected answer from {path} ({type(exc).__name__}: {exc}); "

@@ -51,6 +51,7 @@ from ampwatch.agent.wire import (
     decode_float,
     encode_float,
 )
+from ampwatch.server import run_version
 from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.alerts.evaluate import Judged
 from ampwatch.server.alerts.spikes import LateNorm
@@ -122,6 +123,7 @@ def ingest_batch(
         column = f"dropped_{kind}"
         setattr(run, column, getattr(run, column) + batch.dropped.get(kind, 0))
     run.last_seen_at = now
+    run_version.bump(run)
     ack.alerts = firing_alerts(session, run.id)  # what this batch fired, in its transaction
     session.commit()
     return ack

@@ -36,6 +36,7 @@ import numpy.typing as npt
 from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ampwatch.server import run_version
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import LayerRollup, LayerStat, Run
 from ampwatch.server.packed import MISSING_BITS, unpack_matrix
@@ -398,4 +399,5 @@ def age_layer_stats(session: Session, run: Run, keep_steps: int) -> int:
         delete(LayerStat).where(LayerStat.run_id == run.id, LayerStat.step < horizon)
     )
     session.execute(update(Run).where(Run.id == run.id).values(layer_stats_aged_before=horizon))
+    run_version.bump_where(session, Run.id == run.id)  # a zoomed window reads the rollups
     return int(deleted.rowcount or 0)  # type: ignore[attr-defined]

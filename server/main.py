@@ -22,6 +22,7 @@ from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import (
     advisor,
     alerts,
+    conditional,
     fp8,
     health,
     ingest,
@@ -53,10 +54,13 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The limiter belongs to this event loop: the threads that run sync endpoints.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
+        # Reads and ingest each hold at most their lane's share of it (`admission.py`).
+        threads = settings.worker_threads + settings.ingest_threads
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
         with sessions() as session:
             auth.check_exposure(session, settings)
         worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
+        _app.state.delivery = worker  # ingest wakes it when a batch queued a notification
         if freeze_heap:
             with heap.startup_heap_frozen():
                 yield
@@ -101,10 +105,19 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         app.include_router(api.router, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
     # The routes + the alerts file.
     alerts.mount(app, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
+    app.state.tagged_answers = conditional.TaggedAnswers()
+    app.state.answer_tag = conditional.answer_tag(
+        app.state.migration_head, app.state.sessionmaker.kw["info"]
+    )
     if settings.dashboard:
         _mount_dashboard(app, settings)
     # Added last, so outermost: a request waits for its turn before any other work.
-    app.add_middleware(AdmissionLimit, max_active=settings.max_active_requests)
+    app.add_middleware(
+        AdmissionLimit,
+        reads=settings.worker_threads,
+        ingests=settings.ingest_threads,
+        unqueued_mount=DASHBOARD_PREFIX,
+    )
     return app
 
 

@@ -246,6 +246,9 @@ class Run(Base):
     #: alerts started before it belong to abandoned branches (the advisor's incident is
     #: the live branch's); NULL if never resumed.
     resumed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: Bumped by every write that changes what the run's reads answer
+    #: (`ampwatch.server.run_version`): the ETag of those answers.
+    version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class IngestedBatch(Base):

@@ -20,6 +20,7 @@ from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, Sessio
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.errors import validation_detail
 from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.outbox import QUEUED_KEY
 from ampwatch.server.schemas.errors import ErrorPublic
 from ampwatch.server.schemas.runs import IngestAck
 from ampwatch.server.schemas.wire import BatchIn
@@ -122,4 +123,7 @@ def ingest(
     batch.run.project = project_for_new_data(principal, named)
     ack = ingest_batch(session, batch)
     request.app.state.ingest_counters.record_batch(batch, duplicate=ack.duplicate)
+    delivery = getattr(request.app.state, "delivery", None)  # None: no lifespan (tests)
+    if session.info.pop(QUEUED_KEY, False) and delivery is not None:
+        delivery.wake()  # the alert leaves now, not at the worker's next round
     return ack

@@ -19,7 +19,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
 from ampwatch.server import full_layers, history, queries, rollback, series
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, RunReadDep, SessionDep, SessionRoute
 from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
     AbandonedTails,
@@ -92,7 +92,7 @@ def _layer_idx(session: Session, run_id: int, layer: str, stat: str = LAYER_STAT
 
 @router.get("/{run_id}/steps", response_model=StepSeries)
 def get_steps(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     session: SessionDep,
     rank: RankQuery = 0,
     start: StartQuery = None,
@@ -115,7 +115,7 @@ def get_abandoned_steps(run_id: RunIdDep, session: SessionDep, rank: RankQuery =
 
 @router.get("/{run_id}/layers", response_model=LayerMatrix)
 def get_layers(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     session: SessionDep,
     stat: StatQuery = LAYER_STATS[0],
     rank: RankQuery = 0,
@@ -165,7 +165,7 @@ def get_full_layers(
 
 @router.get("/{run_id}/layers/{layer:path}/series", response_model=LayerSeries)
 def get_layer_series(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     layer: str,
     session: SessionDep,
     stat: StatQuery = LAYER_STATS[0],
@@ -192,7 +192,7 @@ def get_layer_series(
 
 @router.get("/{run_id}/layers/{layer:path}/histograms", response_model=LayerHistograms)
 def get_layer_histograms(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     layer: str,
     session: SessionDep,
     rank: RankQuery = 0,
@@ -223,12 +223,12 @@ def get_layer_histograms(
 
 
 @router.get("/{run_id}/events")
-def get_events(run_id: RunIdDep, session: SessionDep) -> EventsPublic:
+def get_events(run_id: RunReadDep, session: SessionDep) -> EventsPublic:
     """A run's events in time order."""
     return queries.run_events(session, run_id)
 
 
 @router.get("/{run_id}/checkpoints")
-def get_checkpoints(run_id: RunIdDep, session: SessionDep) -> CheckpointsPublic:
+def get_checkpoints(run_id: RunReadDep, session: SessionDep) -> CheckpointsPublic:
     """The checkpoints the agent reported, in time order (the restart advisor's candidates)."""
     return history.run_checkpoints(session, run_id)
