@@ -17,6 +17,7 @@ serve: setup
 # The checks run first, so CI (.ci/run) fails on a lint, format or type error before the suite.
 # The suite runs on every core, a test file to a worker (`--dist loadfile`: a module's
 # fixtures are built once and its tests keep their order); plain `pytest` runs serially.
+# Both run the package's docstring examples too (testpaths and the root conftest.py).
 test: setup check frameworks browser prometheus
 	$(BIN)/pytest -n auto --dist loadfile
 

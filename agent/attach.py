@@ -286,6 +286,7 @@ def watch(
             "fp8_recipe": fp8_recipe,
             "mode": "automatic" if optimizers else "manual",
             "sharding": handle._sharded,
+            "shard_replicas": handle._shard_replicas,  # ranks holding each shard
             "step_scalars_from": "every rank" if steps_from_every_rank else "rank 0",
             **info,
         },

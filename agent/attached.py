@@ -67,8 +67,15 @@ class AttachedHandle(StepSampling):
         #: after watch() are not measured. Named as the user's model names them (`shards`).
         self._named_params = shards.named_parameters(model)
         self._sharded = shards.sharding(model, (p for _, p in self._named_params))
-        fsdp1 = self._sharded == "fsdp1" and shards.disjoint_fsdp1(model)
-        self._plain_replicas = 1 if fsdp1 else None
+        fsdp1 = self._sharded == "fsdp1"
+        #: On how many ranks an FSDP1 shard is held (`shards.fsdp1_replicas`).
+        self._plain_replicas = shards.fsdp1_replicas(model) if fsdp1 else None
+        #: On how many ranks each shard is held, for run_start (FSDP2: HSDP's replicas).
+        self._shard_replicas = (
+            shards.dtensor_replicas(p for _, p in self._named_params)
+            if self._sharded == "fsdp2"
+            else self._plain_replicas
+        )
         self._world_size = world_size
         self._optimizers = optimizers
         self._scaler = scaler

@@ -20,7 +20,14 @@ FP16: 0.281 stored where the norm before the clip was 1.741): the wrapper launch
 norm before the clip and the one after it (`torch.nn.utils.get_total_norm`, as
 `clip_grad_norm_` computes it; two passes, no host read), and observers get both.
 
-Both clips are plain functions looked up on their module at call time, so the only way to
+The same clip in two calls, `get_total_norm` then `clip_grads_with_norm_(params, max_norm,
+total_norm)`, is how accelerate >= 1.16 (and so the HF Trainer) and torchtitan clip: the
+norm handed to the second call is the norm before the clip, and the first call's
+`norm_type` says which norm it is (`_two_step_wrapper`; an L2 norm is assumed only when
+`get_total_norm` was seen with 2). torch's own `clip_grad_norm_` calls the private
+`_clip_grads_with_norm_`, so one clip is never observed twice.
+
+The clips are plain functions looked up on their module at call time, so the only way to
 see the call without the user's help is to replace that attribute. The replacement is
 narrow: one wrapper per function shared by every live handle, installed when the first
 registers and the original objects put back, unchanged, when the last one leaves. A loop
@@ -77,6 +84,33 @@ def _norm_wrapper(parameters: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
     return total
 
 
+#: The `norm_type` of the last `get_total_norm` call, which the two-step clip's second call
+#: (`clip_grads_with_norm_`) does not repeat; None once consumed or never seen.
+_last_norm_type: list[Any] = [None]
+
+
+def _total_norm_wrapper(tensors: Any, *args: Any, **kwargs: Any) -> torch.Tensor:
+    _last_norm_type[0] = kwargs.get("norm_type", args[0] if args else 2.0)
+    total: torch.Tensor = _originals["get_total_norm"](tensors, *args, **kwargs)
+    return total
+
+
+def _two_step_wrapper(
+    parameters: Any, max_norm: Any, total_norm: Any, *args: Any, **kwargs: Any
+) -> None:
+    parameters, params = _params(parameters)
+    for check in _checkers:
+        check(params)
+    _originals["clip_grads_with_norm_"](parameters, max_norm, total_norm, *args, **kwargs)
+    norm_type, _last_norm_type[0] = _last_norm_type[0], None
+    if _observers and isinstance(total_norm, torch.Tensor):
+        after = None
+        if isinstance(max_norm, (int, float, torch.Tensor)):
+            after = clipped_norm(total_norm.detach(), max_norm)
+        for observer in _observers:
+            observer(params, total_norm, after, norm_type)
+
+
 def _value_wrapper(parameters: Any, *args: Any, **kwargs: Any) -> None:
     parameters, params = _params(parameters)
     for check in _checkers:
@@ -96,7 +130,9 @@ def _l2_norm(params: list[torch.Tensor]) -> torch.Tensor | None:
         grads = [p.grad for p in params if p.grad is not None]
         if not grads or any(type(g) is not torch.Tensor for g in grads):
             return None  # a DTensor's norm would run a collective: the agent measures its own
-        return torch.nn.utils.get_total_norm(grads, 2.0)
+        total_norm = _originals.get("get_total_norm", torch.nn.utils.get_total_norm)
+        norm: torch.Tensor = total_norm(grads, 2.0)
+        return norm
     except Exception:  # noqa: BLE001 - the agent never raises into the training loop
         return None
 
@@ -115,23 +151,32 @@ def clipped_norm(total: torch.Tensor, max_norm: float | torch.Tensor) -> torch.T
 _WRAPPERS: dict[str, Callable[..., Any]] = {
     "clip_grad_norm_": _norm_wrapper,
     "clip_grad_value_": _value_wrapper,
+    "get_total_norm": _total_norm_wrapper,
+    "clip_grads_with_norm_": _two_step_wrapper,
 }
+
+
+def _modules(name: str) -> list[Any]:
+    """Where `name` is looked up: `torch.nn.utils`, and the clip module where it has the
+    same name there (the two-step functions are private names in it, which torch's own
+    `clip_grad_norm_` calls and which stay unwrapped)."""
+    return [torch.nn.utils] + ([_clip_grad_module] if hasattr(_clip_grad_module, name) else [])
 
 
 def _install() -> None:
     for name, wrapper in _WRAPPERS.items():
-        if name not in _originals:
+        if name not in _originals and hasattr(torch.nn.utils, name):
             _originals[name] = original = getattr(torch.nn.utils, name)
             wrapped = functools.wraps(original)(wrapper)
-            setattr(torch.nn.utils, name, wrapped)
-            setattr(_clip_grad_module, name, wrapped)
+            for module in _modules(name):
+                setattr(module, name, wrapped)
 
 
 def _uninstall_if_unused() -> None:
     if not _checkers and not _observers:
         for name, original in _originals.items():
-            setattr(torch.nn.utils, name, original)
-            setattr(_clip_grad_module, name, original)
+            for module in _modules(name):
+                setattr(module, name, original)
         _originals.clear()
 
 

@@ -3,7 +3,12 @@ else defaults. One place, so a launcher can configure every rank through the env
 
     AMPWATCH_URL, AMPWATCH_TOKEN, AMPWATCH_RUN (run name), AMPWATCH_RUN_ID (shared client run
     id, e.g. set by the launcher for all ranks), AMPWATCH_PROJECT, AMPWATCH_LAYER_STATS_EVERY,
-    AMPWATCH_OFFLINE_FILE, AMPWATCH_DISABLED (1/true/yes/on: a kill switch)
+    AMPWATCH_OFFLINE_FILE, AMPWATCH_DISABLED (1/true/yes/on: a kill switch),
+    AMPWATCH_SPOOL_DIR (`spool.default_spool_dir`)
+
+The collector's variables are `ampwatch.server.settings`' (the other home); nothing else
+reads `AMPWATCH_*` (the agent's `upload`/`import` and the CLI's remote commands use
+`resolve` or `from_environment`).
 """
 
 from __future__ import annotations
@@ -29,6 +34,18 @@ class Config:
     enabled: bool
 
 
+def from_environment(name: str, environ: Mapping[str, str] | None = None) -> str | None:
+    """`AMPWATCH_<name>`, or None when unset or empty.
+
+    >>> from_environment("SPOOL_DIR", {"AMPWATCH_SPOOL_DIR": "/scratch"})
+    '/scratch'
+    >>> from_environment("TOKEN", {"AMPWATCH_TOKEN": ""}) is None
+    True
+    """
+    env = os.environ if environ is None else environ
+    return env.get(f"AMPWATCH_{name}") or None
+
+
 def resolve(
     *,
     url: str | None = None,
@@ -52,7 +69,7 @@ def resolve(
     env = os.environ if environ is None else environ
 
     def pick(value: str | None, name: str) -> str | None:
-        return value if value is not None else (env.get(f"AMPWATCH_{name}") or None)
+        return value if value is not None else from_environment(name, env)
 
     every = layer_stats_every
     if every is None:

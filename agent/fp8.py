@@ -69,9 +69,6 @@ FORMATS: dict[str, tuple[torch.dtype, float, int]] = {
     "e4m3": (torch.float8_e4m3fn, 448.0, 9),
     "e5m2": (torch.float8_e5m2, 57344.0, 16),
 }
-#: y (float32, >= 0) casts to 0 iff y <= half the smallest subnormal (the tie rounds to
-#: even, i.e. to 0): 2^-10 for E4M3 (subnormals from 2^-9), 2^-17 for E5M2 (from 2^-16).
-FLUSH_AT: dict[str, float] = {"e4m3": 2.0**-10, "e5m2": 2.0**-17}
 #: y saturates iff it rounds past the largest finite value: above 464 for E4M3 (the tie
 #: rounds to even, 448), at or above 61440 for E5M2 (the tie rounds up, to Inf). No element
 #: can under these scalings, so the count is 0 without a pass over the tensor: y = |x| * s

@@ -29,6 +29,13 @@ others in their next all-reduce. Under DDP/FSDP, agree in the loop's own collect
     if stop.item(): save a checkpoint on every rank, then break
 
 (rank 0 always posts step scalars, so the MAX hears an alert within a flush interval).
+The Lightning and HF Trainer callbacks do this for you with `on_critical="stop"`: at the
+end of every `AGREE_EVERY`-th optimizer step, on every rank (the schedule is the step
+number, the same on every rank, so every rank enters the collective at the same step
+whatever it heard), through the framework's own mechanism where it has one (Lightning's
+`strategy.reduce_boolean_decision`, as its EarlyStopping agrees) and `torch.distributed`
+otherwise (the HF Trainer has none); single-process fits act at the next step, with no
+collective.
 """
 
 from __future__ import annotations
@@ -47,6 +54,12 @@ logger = logging.getLogger("ampwatch.agent")
 #: a signal (128 + n) and Megatron's rerun codes (16, 17): a launcher that sees it fetches
 #: the resume plan (`ampwatch resume-plan RUN --json`) and relaunches from it.
 EXIT_CRITICAL_ALERT = 75
+
+#: Under DDP, the framework callbacks agree on a stop every this many optimizer steps (one
+#: one-element all-reduce and its host read each time): an alert takes a flush interval or
+#: more to come back, so waiting up to 10 steps more adds little; every step would put a
+#: host sync into each step of a GPU run.
+AGREE_EVERY = 10
 
 Mode = Literal["warn", "stop", "raise"]
 MODES: tuple[Mode, ...] = ("warn", "stop", "raise")

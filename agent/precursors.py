@@ -16,16 +16,15 @@ the gradient outgrows what the optimizer has seen it climbs towards sqrt(1 / (1 
 Besides it, each layer's update against its weight, `update_ratio` =
 ||lr * m_hat / (sqrt(v_hat) + eps)|| / ||w|| (Adam's own step, weight decay left out).
 
-Every step the agent sends the maximum over layers of the first (`adam_rms_max`): a window
-of 1-8 steps is missed by a sample every 50; the second (`update_ratio_max`, three more
-passes) on the layer-statistics steps (`layer_stats_every`). The cost is a
-handful of `torch._foreach_*` kernels over at most `MAX_ELEMENTS` elements of each layer
-(exact below that, an even-strided estimate above it); `bench/agent_overhead.py` measures it.
-Measured there (`--quick`, old and new code interleaved, CPU, load 4-6): the agent's
-per-step work went from ~0.5 ms to 5-7 ms, 0.4% -> 2.6-3.6% of the 0.1M model's bare step
-and ~2-3% of the 3M's: the defaults bar (<= 3% in all) is not held on the CPU. Most of it
-is per-layer op and Python overhead; the next levers are a cached per-group tensor list
-and a stride in steps.
+Every `EVERY` steps (and on every layer-statistics step) the agent sends the maximum over
+layers of the first (`adam_rms_max`): a window of 1-8 steps is missed by a sample every 50,
+and at most 3 steps of it by one every 4; the second (`update_ratio_max`, three more
+passes) on the layer-statistics steps (`layer_stats_every`). The cost is a handful of
+`torch._foreach_*` kernels over at most `MAX_ELEMENTS` elements of each layer (exact below
+that, an even-strided estimate above it), plus the Python walk over the optimizer's state.
+Measured (`bench/agent_overhead.py --quick`, old and new code interleaved, CPU, load 4-6):
+taken every step, the agent's per-step work went from ~0.5 ms to 5-7 ms, 2.6-3.6% of the
+0.1M model's bare step, over the defaults bar (<= 3%); one step in `EVERY` divides that.
 
 Read as the optimizer left them, after `step()` (the scaler path: at `scaler.update()`,
 with the gradients already unscaled, fused kernels included; a skipped step left the
@@ -58,6 +57,11 @@ _ADAM_STATE = ("exp_avg", "exp_avg_sq", "step")
 #: per layer bounded, and a lagging second moment shows across a layer, not in a few
 #: elements (the spikes Wortsman et al. trace are layer-wide: embeddings, QK projections).
 MAX_ELEMENTS = 4096
+
+#: Steps between two reads of `adam_rms_max` (besides every layer-statistics step): the
+#: divisor of the precursors' cost (see above); the collector's rules judge the values
+#: that arrive, whatever their spacing.
+EVERY = 4
 
 
 def _sampled(tensor: torch.Tensor) -> torch.Tensor:

@@ -15,6 +15,7 @@ import torch
 from ampwatch.agent import fp8
 from ampwatch.agent.handle import WatchHandle
 from ampwatch.agent.hooks import ActivationMaxAbs, ActivationNorm, PrecisionProbe
+from ampwatch.agent.precursors import EVERY as PRECURSORS_EVERY
 from ampwatch.agent.precursors import adam_precursors
 from ampwatch.agent.prenorm import take_prenorm
 from ampwatch.agent.records import LayerSample, StepSample, lr_group_field
@@ -196,12 +197,13 @@ class StepSampling(WatchHandle):
         return self._stacked(step, scalars, host, groups)
 
     def _take_precursors(self, scalars: dict[str, torch.Tensor]) -> None:
-        """Adam's second-moment lag and update size, every step (`precursors`); an optimizer
-        state the agent cannot read costs these two fields, said once, never the step."""
-        if self._precursors_failed:
+        """Adam's second-moment lag and update size, every `precursors.EVERY` steps and on
+        the layer-statistics steps; an optimizer state the agent cannot read costs these two
+        fields, said once, never the step."""
+        sampled = self._step % self._every == 0  # this step's layer statistics too
+        if self._precursors_failed or not (sampled or self._step % PRECURSORS_EVERY == 0):
             return
         try:
-            sampled = self._step % self._every == 0  # this step's layer statistics too
             scalars.update(adam_precursors(self._optimizers, update_ratio=sampled))
         except Exception as exc:  # noqa: BLE001 - reported, never raised into training
             self._precursors_failed = True

@@ -15,9 +15,10 @@ What a rank can and cannot know without a collective:
   plain tensor), so the agent takes it from there. Without a clip every rank sends its
   part, the sum of squares of its local shards (`local_sumsq`: a shard replicated over a
   mesh dimension counted once in all), and the collector adds the parts of a step from all
-  `world_size` ranks (`server/ingest.py`). Where the parts cannot add up exactly (a Partial
-  DTensor gradient, a plain gradient beside FSDP2's, FSDP1 hybrid or unsharded strategies,
-  ignored modules) no norm is stored and the agent says so once (`GRAD_NORM_SHARDED`).
+  `world_size` ranks (`server/ingest.py`); FSDP1's NO_SHARD and hybrid shards count 1/k
+  for their k replicas (`fsdp1_replicas`). Where the parts cannot add up exactly (a Partial
+  DTensor gradient, a plain gradient beside FSDP2's, FSDP1 ignored modules or mixed
+  strategies) no norm is stored and the agent says so once (`GRAD_NORM_SHARDED`).
 - Names: wrappers insert path segments (`_fsdp_wrapped_module.`, `_checkpoint_wrapped_module.`,
   `_orig_mod.`); `clean_name` removes them so layers are named as the user's model names
   them. FSDP1 without `use_orig_params=True` holds one flat parameter per wrapped module:
@@ -49,13 +50,15 @@ FLAT_PARAM = "_flat_param"
 GRAD_NORM_SHARDED = (
     "gradients are sharded, the loop did not clip, and this sharding's per-rank sums of "
     "squares do not add up to the global norm (a Partial or unsharded gradient, FSDP1 "
-    "hybrid or NO_SHARD, ignored modules): the agent never runs a collective, so grad_norm "
+    "ignored modules or mixed strategies): the agent never runs a collective, so grad_norm "
     "is not stored; call clip_grad_norm_ (FSDP2: torch.nn.utils.clip_grad_norm_; FSDP1: "
     "model.clip_grad_norm_, max_norm=float('inf') to measure without clipping) and its "
     "norm is stored"
 )
 #: FSDP1 strategies under which every rank holds a disjoint shard of each flat parameter.
 _DISJOINT_FSDP1 = ("FULL_SHARD", "SHARD_GRAD_OP")
+#: FSDP1 strategies that shard within a group and replicate across groups.
+_HYBRID_FSDP1 = ("HYBRID_SHARD", "_HYBRID_SHARD_ZERO2")
 FLAT_PARAMS = (
     "FSDP1 without use_orig_params=True: per-layer statistics are per flat parameter "
     "(one per wrapped module); wrap with use_orig_params=True for per-parameter names"
@@ -174,14 +177,43 @@ def compute_dtype(model: nn.Module) -> torch.dtype | None:
     return None
 
 
-def disjoint_fsdp1(model: nn.Module) -> bool:
-    """Whether every rank's FSDP1 shards are disjoint parts of the whole (FULL_SHARD,
-    SHARD_GRAD_OP; no ignored parameters, whose gradients every rank holds whole)."""
+def fsdp1_replicas(model: nn.Module) -> int | None:
+    """On how many ranks each of this rank's FSDP1 gradient shards is held identically, so
+    that its sum of squares counts 1/k toward the global norm (`local_sumsq`), read from the
+    wrappers' process groups (their sizes: no collective):
+    - FULL_SHARD, SHARD_GRAD_OP: 1 (disjoint shards);
+    - NO_SHARD: the process group's size (every rank holds the whole all-reduced gradient);
+    - HYBRID_SHARD, _HYBRID_SHARD_ZERO2: the replica group's size (`_inter_node_pg`: each
+      shard group's shards are all-reduced across it).
+    None where the parts cannot add up to one norm: wrapped modules that disagree; ignored
+    parameters (FSDP1 never reduces their gradients, and its own `clip_grad_norm_` adds
+    each rank's local norm of them unreduced, so the global norm differs from rank to rank
+    and no rank knows the others' without a collective); a hybrid whose shard group is one
+    rank (FSDP1 then runs it as NO_SHARD and, in torch 2.x, reduces nothing across the
+    replicas: the ranks' gradients differ)."""
+    found: set[int] = set()
     for module in fsdp1_modules(model):
         strategy = getattr(getattr(module, "sharding_strategy", None), "name", None)
-        if strategy not in _DISJOINT_FSDP1 or getattr(module, "_ignored_params", None):
-            return False
-    return True
+        inter = _group_size(getattr(module, "_inter_node_pg", None))
+        if getattr(module, "_ignored_params", None):
+            return None
+        if strategy in _DISJOINT_FSDP1:
+            found.add(1)
+        elif strategy == "NO_SHARD" and (inter or 1) == 1:
+            found.add(_group_size(getattr(module, "process_group", None)) or 0)
+        elif strategy in _HYBRID_FSDP1:
+            found.add(inter or 0)
+        else:
+            return None
+    return found.pop() if len(found) == 1 and 0 not in found else None
+
+
+def _group_size(group: object) -> int | None:
+    size = getattr(group, "size", None)
+    try:
+        return int(size()) if callable(size) else None
+    except Exception:  # noqa: BLE001 - a group torch no longer holds: unknown, not an error
+        return None
 
 
 def _replicas(grad: torch.Tensor, plain: int | None) -> int | None:
@@ -199,6 +231,17 @@ def _replicas(grad: torch.Tensor, plain: int | None) -> int | None:
         elif kind != "Shard" and kind != "_StridedShard":
             return None
     return replicas
+
+
+def dtensor_replicas(params: Iterable[torch.Tensor]) -> int | None:
+    """On how many ranks each DTensor parameter's local part is held (FSDP2's HSDP: the
+    replicate dimension's size; 1 fully sharded), when all agree; else None.
+
+    >>> dtensor_replicas([torch.ones(2)]) is None  # no DTensor
+    True
+    """
+    found = {_replicas(p, None) for p in params if is_dtensor(p)}
+    return found.pop() if len(found) == 1 and None not in found else None
 
 
 def local_sumsq(

@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import Any
 
 from ampwatch.agent import wire
+from ampwatch.agent.config import from_environment
 
 try:
     import fcntl
@@ -80,7 +81,7 @@ def spool_folder_name(client_run_id: str) -> str:
 def default_spool_dir(client_run_id: str) -> Path:
     """`$AMPWATCH_SPOOL_DIR/<run>` or `~/.cache/ampwatch/spool/<run>` (XDG_CACHE_HOME),
     `<run>` made a safe folder name (`spool_folder_name`)."""
-    root = os.environ.get("AMPWATCH_SPOOL_DIR")
+    root = from_environment("SPOOL_DIR")
     if not root:
         cache = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
         root = str(Path(cache) / "ampwatch" / "spool")

@@ -49,7 +49,11 @@ import math
 from typing import Any, Final, Literal, TypedDict
 
 WIRE_VERSION: Final = 1
-INGEST_PATH: Final = "/api/v1/ingest"
+#: Where the collector serves its HTTP API and mounts the dashboard: one spelling for the
+#: collector, the dashboard's client, the agent and the CLI.
+API_PREFIX: Final = "/api/v1"
+DASHBOARD_PREFIX: Final = "/dashboard"
+INGEST_PATH: Final = f"{API_PREFIX}/ingest"
 
 #: The wire's spellings of the non-finite floats.
 NAN: Final = "NaN"
@@ -147,7 +151,9 @@ ACTIVATION_STATS: Final = ("activation_max_abs",)
 #: Event kinds the collector understands. `data_position`: {epoch, batch, stride}, the first
 #: batch of the event's step (`ampwatch.agent.data_position`); `resumed`: a process resumed
 #: from a resume plan (`ampwatch.agent.resume`). A collector older than a kind refuses the
-#: batch (422): the agent sends these two only when the loop asks for them.
+#: batch (422): the agent sends these two only when the loop asks for them. `finding`:
+#: {"code", "message", ...details}; the codes that raise a rule are the collector's
+#: (`alerts.rules.FINDING_RULES`), the others are shown as events.
 EVENT_KINDS: Final = ("run_start", "checkpoint", "run_end", "finding", "data_position", "resumed")
 
 #: `run_start`'s key for the loss scaler's configured floor (`watch(min_loss_scale=...)`;
@@ -161,14 +167,6 @@ MIN_LOSS_SCALE: Final = "min_loss_scale"
 #: checkpoint): true means its first skips are not warm-up calibration. Absent or false: the
 #: collector judges warm-up from the process's first steps (`rules.LossScaleCollapse`).
 SCALER_CALIBRATED: Final = "scaler_calibrated"
-
-#: `finding` events carry {"code": one of these, "message": str, ...details}.
-FINDING_CODES: Final = (
-    "fp16_params_without_scaler",
-    "bf16_in_use",
-    "fp8_in_use",
-    "clip_before_unscale",
-)
 
 #: Keys of a batch's "dropped" field: records the agent dropped (never blocking training)
 #: since its previous batch was acknowledged.

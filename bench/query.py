@@ -68,7 +68,7 @@ def populate(database_url: str, steps: int, layers: int, *, bulk: bool = False) 
     `bulk`: the step records and the first batch's layer records go through
     `ingest_batch`; every later packed layer row is upserted as ingest does (`db.upsert`),
     without parsing a wire batch, and the layer rollups are then computed by
-    `rollups_from_rows` (the migration's backfill, the same reduction as ingest's). At
+    `rollups_from_rows` (the same reduction as ingest's). At
     2M x 1,000 (800 M values) the full path would take about an hour on this machine.
     """
     upgrade(database_url)

@@ -6,9 +6,15 @@ python -m ampwatch.dashboard --api-url http://collector:8000 --port 8050
 from __future__ import annotations
 
 import argparse
-import os
 
 from ampwatch.dashboard.app import create_dash_app
+
+
+def _dashboard_token() -> str | None:
+    from ampwatch.server.settings import Settings  # the one reader of AMPWATCH_*
+
+    token = Settings().dashboard_token
+    return None if token is None else token.get_secret_value()
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -23,7 +29,7 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument(
         "--token",
-        default=os.environ.get("AMPWATCH_DASHBOARD_TOKEN"),
+        default=_dashboard_token(),
         help="bearer token for the collector (default: AMPWATCH_DASHBOARD_TOKEN); the "
         "dashboard shows whatever this token may read",
     )

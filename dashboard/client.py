@@ -13,7 +13,10 @@ must tell "not measured" (null) from "measured NaN".
 
 from __future__ import annotations
 
+import json
 import math
+import threading
+from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, TypeVar
@@ -21,9 +24,14 @@ from urllib.parse import quote
 
 import httpx
 
-from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WireFloat, decode_float, encode_float
+from ampwatch.agent.wire import (
+    API_PREFIX,
+    STEP_FLOAT_FIELDS,
+    WireFloat,
+    decode_float,
+    encode_float,
+)
 
-API_PREFIX = "/api/v1"
 #: About two points per horizontal pixel of a wide chart: the most a browser can show.
 STEP_POINTS = 2000
 #: A 200 x 200 heatmap is ~0.3 MB of JSON; the 500 x 500 server default is ~4.6 MB.
@@ -266,6 +274,39 @@ class LayerMatrix:
 
 
 @dataclass(frozen=True)
+class AbandonedTail:
+    """One entry of `GET /runs/{id}/abandoned-steps`: the steps a resume abandoned (recorded
+    after `from_step`, the plan's checkpoint, before the run resumed from it)."""
+
+    branch: int
+    from_step: int
+    step: list[int]
+    skipped: list[bool]
+    loss: list[float | None]
+    loss_scale: list[float | None]
+    grad_norm: list[float | None]
+
+    @classmethod
+    def from_json(cls, data: dict[str, Any]) -> AbandonedTail:
+        return cls(
+            branch=int(data["branch"]),
+            from_step=int(data["from_step"]),
+            step=[int(s) for s in data["step"]],
+            skipped=[bool(s) for s in data["skipped"]],
+            loss=_decode_all(data["loss"]),
+            loss_scale=_decode_all(data["loss_scale"]),
+            grad_norm=_decode_all(data["grad_norm"]),
+        )
+
+    def to_json(self) -> dict[str, Any]:
+        return {
+            "branch": self.branch, "from_step": self.from_step, "step": self.step,
+            "skipped": self.skipped, "loss": _encode_all(self.loss),
+            "loss_scale": _encode_all(self.loss_scale), "grad_norm": _encode_all(self.grad_norm),
+        }  # fmt: skip
+
+
+@dataclass(frozen=True)
 class RunEvent:
     """One entry of `GET /runs/{id}/events` (run start, checkpoint, run end, finding)."""
 
@@ -473,6 +514,39 @@ class RestartAdvice:
         }
 
 
+class AnswerCache:
+    """Tagged answers by URL, least recently used first out, at most `max_bytes` in all:
+    one per dashboard app, shared by its viewers, so a run that a thousand people watch
+    is read once per change. Bytes, not parsed objects: a caller may change what it got.
+    Callbacks run on several threads, hence the lock.
+    """
+
+    def __init__(self, max_bytes: int = 64 * 1024 * 1024) -> None:
+        self._max_bytes = max_bytes
+        self._bytes = 0
+        self._entries: OrderedDict[str, tuple[str, bytes]] = OrderedDict()
+        self._lock = threading.Lock()
+
+    def get(self, url: str) -> tuple[str, bytes] | None:
+        with self._lock:
+            entry = self._entries.get(url)
+            if entry is not None:
+                self._entries.move_to_end(url)
+            return entry
+
+    def put(self, url: str, tag: str, content: bytes) -> None:
+        if len(content) > self._max_bytes // 4:  # one answer never evicts the rest
+            return
+        with self._lock:
+            old = self._entries.pop(url, None)
+            self._bytes -= len(old[1]) if old else 0
+            self._entries[url] = (tag, content)
+            self._bytes += len(content)
+            while self._bytes > self._max_bytes:
+                _, (_, evicted) = self._entries.popitem(last=False)
+                self._bytes -= len(evicted)
+
+
 class CollectorClient:
     """Reads runs and their series from a collector; one instance per dashboard app.
 
@@ -499,14 +573,21 @@ class CollectorClient:
             headers=headers,
             limits=httpx.Limits(max_keepalive_connections=0),
         )
+        self._answers = AnswerCache()
 
     def _get(self, path: str, parse: Callable[[Any], T], **params: str | int | None) -> T:
         """GET `path` and parse its JSON; every failure becomes a `CollectorError`.
 
-        Parameters that are None are left out (the collector's default applies)."""
+        Parameters that are None are left out (the collector's default applies). An
+        answer the collector tagged is kept (`AnswerCache`) and asked for again with its
+        tag: while the run has not changed, the collector answers 304 without its query."""
         query = {name: value for name, value in params.items() if value is not None}
+        key = str(self._http.build_request("GET", path, params=query).url)
+        held = self._answers.get(key)
         try:
-            response = self._http.get(path, params=query)
+            response = self._http.get(
+                path, params=query, headers={"If-None-Match": held[0]} if held else None
+            )
         except httpx.HTTPError as exc:
             raise CollectorError(
                 f"cannot reach the collector at {self.api_url} ({exc}); is it running?"
@@ -517,8 +598,13 @@ class CollectorClient:
             raise CollectorError(
                 f"the collector answered {response.status_code} for {path}: {response.text[:200]}"
             )
+        content = response.content
+        if response.status_code == 304 and held is not None:
+            content = held[1]
+        elif "etag" in response.headers:
+            self._answers.put(key, response.headers["etag"], content)
         try:
-            return parse(response.json())
+            return parse(json.loads(content))
         except (KeyError, TypeError, ValueError) as exc:
             raise CollectorError(
                 f"unexpected answer from {path} ({type(exc).__name__}: {exc}); "
@@ -653,6 +739,15 @@ class CollectorClient:
             return self._get(path, parse, **params)
         except RunNotFound:
             return None
+
+    def abandoned_steps(self, run_id: int) -> list[AbandonedTail]:
+        """Rank 0's tails abandoned by resumes, oldest first ([] from a collector without
+        the route)."""
+        tails = self._get_optional(
+            f"/runs/{run_id}/abandoned-steps",
+            lambda data: [AbandonedTail.from_json(t) for t in data["tails"]],
+        )
+        return tails or []
 
     def events(self, run_id: int) -> list[RunEvent]:
         return self._get(

@@ -28,6 +28,9 @@ LOSS_COLOR = "#444444"
 
 CHECKPOINT_COLOR = "#2ca02c"
 
+#: Steps a resume abandoned (`AbandonedTail`): drawn under the live branch, greyed.
+ABANDONED_COLOR = "#b8b8b8"
+
 FROZEN_COLOR = "#d62728"
 
 MAX_LOG2_TICKS = 10
@@ -96,11 +99,6 @@ def plot_values(values: Sequence[float | None], *, positive: bool = False) -> np
 
 def plot_steps(steps: Sequence[int]) -> np.ndarray:
     return np.asarray(steps, dtype=np.int64)
-
-
-def finite_or_none(value: float | None) -> float | None:
-    """A plotly-ready value: non-finite becomes None, i.e. a gap in the line."""
-    return value if value is not None and math.isfinite(value) else None
 
 
 def format_loss_scale(value: float | None) -> str:

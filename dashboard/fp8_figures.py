@@ -21,7 +21,6 @@ VERDICT_LABELS = {
     "needs_finer_scaling": "needs finer scaling",
     "keep_bf16": "keep in BF16",
 }
-VERDICT_COLORS = {"fits": "#2ca02c", "needs_finer_scaling": "#ff7f0e", "keep_bf16": "#d62728"}
 #: Score = worst role's ratio to its limit; the colour turns at 1 (the limit), on a log axis
 #: capped at 1000x so one hopeless layer does not wash out the rest.
 SCORE_CAP = 1000.0

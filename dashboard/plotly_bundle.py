@@ -20,7 +20,6 @@ import base64
 import hashlib
 import io
 import logging
-import os
 import sys
 import tarfile
 from pathlib import Path
@@ -60,8 +59,10 @@ CARTESIAN_TRACES = frozenset(
 def assets_dir() -> Path:
     """Where fetched browser assets live: `AMPWATCH_ASSETS_DIR`, else beside the Python
     environment (`<prefix>/share/ampwatch`), so a fresh venv starts without stale files."""
-    configured = os.environ.get("AMPWATCH_ASSETS_DIR")
-    return Path(configured) if configured else Path(sys.prefix) / "share" / "ampwatch"
+    from ampwatch.server.settings import Settings
+
+    configured = Settings().assets_dir
+    return configured if configured is not None else Path(sys.prefix) / "share" / "ampwatch"
 
 
 def bundle_path(folder: Path | None = None) -> Path:

@@ -25,8 +25,9 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import Alert, RuleLines, StepSeries
+from ampwatch.dashboard.client import AbandonedTail, Alert, RuleLines, StepSeries
 from ampwatch.dashboard.figure_common import (
+    ABANDONED_COLOR,
     CHECKPOINT_COLOR,
     LOSS_COLOR,
     NON_FINITE_COLOR,
@@ -61,6 +62,37 @@ ACT_TRACES = {
     "act_prenorm_max": ("max before the final norm", "#9467bd", "dot"),
 }
 
+#: The legend name of a resume's abandoned tail (the browser test finds it by prefix).
+ABANDONED_TRACE = "abandoned after step {from_step}"
+
+
+def abandoned_traces(
+    tails: Sequence[AbandonedTail], field: str, *, hv: bool = False, **axes: str
+) -> list[dict[str, Any]]:
+    """`field` of each abandoned tail as a grey line, one legend entry per resume, to draw
+    under the live branch (listed first): where the run went before it was rolled back.
+    `axes`: the subplot's (`xaxis="x2", yaxis="y2"`); `hv`: a step line (the loss scale)."""
+    positive = field != "loss"
+    return [
+        {
+            "type": "scatter",
+            "x": plot_steps(tail.step),
+            "y": plot_values(getattr(tail, field), positive=positive),
+            "name": ABANDONED_TRACE.format(from_step=tail.from_step),
+            "legendgroup": f"abandoned-{tail.branch}",
+            "showlegend": field != "loss",
+            "mode": "lines",
+            "line": {"color": ABANDONED_COLOR, "width": 1.5, **({"shape": "hv"} if hv else {})},
+            "opacity": 0.8,
+            "connectgaps": False,
+            "hovertemplate": "abandoned: %{y:.4g}<extra></extra>",
+            **axes,
+        }
+        for tail in tails
+        if tail.step
+    ]
+
+
 NO_SCALER_MESSAGE = (
     "No loss scale reported: this run has no enabled GradScaler. "
     "Under FP16 that lets small gradients flush to zero; check the zero-gradient heatmap."
@@ -72,6 +104,7 @@ def loss_scale_figure(
     *,
     checkpoints: Mapping[int, str] | None = None,
     alerts: Sequence[Alert] = (),
+    abandoned: Sequence[AbandonedTail] = (),
     x_range: Sequence[int] | None = None,
 ) -> go.Figure:
     """Loss scale on a log2 axis over loss, sharing the step axis.
@@ -81,6 +114,7 @@ def loss_scale_figure(
     verdict, '' when there is none): the recommended restart solid and labelled, rejected
     ones grey. Run-wide alerts shade the span they fired over. Bottom: the loss, with gaps
     and orange triangles (on the top edge of the loss range) where it was NaN or infinite.
+    `abandoned`: tails a resume abandoned, greyed under both (`abandoned_traces`).
     `x_range`: the zoom window the series was fetched for.
     """
     title = "Loss scale and loss"
@@ -91,12 +125,16 @@ def loss_scale_figure(
     shown = scales[~np.isnan(scales)]
     lines = scale_lines(series.rule_lines)
     # The rule lines are always in range: how far the scale sits above them is the point.
-    levels = [*shown.tolist(), *(value for _, value, _ in lines)] or [1.0]
+    gone = [plot_values(tail.loss_scale, positive=True) for tail in abandoned]
+    gone_shown = [float(v) for array in gone for v in array[~np.isnan(array)]]
+    levels = [*shown.tolist(), *gone_shown, *(value for _, value, _ in lines)] or [1.0]
     low, high = min(levels) / 2, max(levels) * 2
     tick_values, tick_text = log2_ticks(low, high)
     skipped = [i for i, was_skipped in enumerate(series.skipped) if was_skipped]
     losses = plot_values(series.loss)
     data: list[dict[str, Any]] = [
+        *abandoned_traces(abandoned, "loss_scale", hv=True),
+        *abandoned_traces(abandoned, "loss", xaxis="x2", yaxis="y2"),
         {
             "type": "scatter",
             "x": steps,
@@ -314,15 +352,22 @@ def skip_rate_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
     )
 
 
-def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None) -> go.Figure:
+def grad_norm_figure(
+    series: StepSeries,
+    *,
+    abandoned: Sequence[AbandonedTail] = (),
+    x_range: Sequence[int] | None = None,
+) -> go.Figure:
     """Global gradient norm (unscaled), log axis; non-finite norms are gaps. Where the loop
-    clipped, the norm before the clip is the main line and the one after it a second."""
+    clipped, the norm before the clip is the main line and the one after it a second.
+    `abandoned`: tails a resume abandoned, greyed under it."""
     title = "Gradient norm"
     norms = plot_values(series.grad_norm, positive=True)
     if np.isnan(norms).all():
         return empty_figure(title, "No gradient norm reported for this run yet.")
     steps = plot_steps(series.step)
     traces = [
+        *abandoned_traces(abandoned, "grad_norm"),
         {
             "type": "scatter",
             "x": steps,
@@ -331,7 +376,7 @@ def grad_norm_figure(series: StepSeries, *, x_range: Sequence[int] | None = None
             "mode": "lines",
             "line": {"color": "#2ca02c", "width": 1.5},
             "hovertemplate": "%{y:.4g}",
-        }
+        },
     ]
     clipped = plot_values(series.grad_norm_clipped, positive=True)
     if not np.isnan(clipped).all():

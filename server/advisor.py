@@ -2,7 +2,7 @@
 
 A checkpoint is *healthy* when, at its step (DESIGN, "Restart advisor"):
 
-1. the loss scale was >= `min_loss_scale` (the run's effective `loss_scale_collapse`
+1. the loss scale was >= `healthy_loss_scale` (the run's effective `loss_scale_collapse`
    `min_scale`, 1.0 by default: the OPT-175B team's "healthy" scalar) and
    not mid-fall: no strict fall of the scale between consecutive steps in the
    `fall_window` steps up to it, nor across its own step (a fall from step s to s+1 means
@@ -27,9 +27,12 @@ margin), because the batches just before and at a spike are its likeliest trigge
 team restarted ~100 steps before a spike and skipped 200-500 batches; Lightning's
 SpikeDetection writes the spike's batch and the one before it to skip_batches.json).
 
-The incident is the first one that reached critical: the critical alert that fired first,
-plus every precursor (`PRECURSOR_RULES`, or any critical alert) still open, or resolved
-less than `incident_gap` steps, when the incident's earliest member started. Its onset is
+The incident is the first one that reached critical in the run's live branch (after a
+resume from a plan, only the alerts and checkpoints since the resume count: `run_alerts`,
+`run_checkpoints(live=True)`; the abandoned steps were moved aside,
+`ampwatch.server.rollback`): the critical alert that fired first, plus every precursor
+(`PRECURSOR_RULES`, or any critical alert) still open, or resolved less than
+`incident_gap` steps, when the incident's earliest member started. Its onset is
 the earliest `started_step` among them: for OPT-175B's signature that is the activation
 norm spike, not the collapse of the scale that followed.
 
@@ -64,7 +67,7 @@ from ampwatch.server.alerts.config import settings_of_run
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Step, StepRollup
+from ampwatch.server.models import Alert, Run, Step, StepRollup
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.advisor import (
     DataSkip,
@@ -87,6 +90,7 @@ PRECURSOR_RULES = frozenset(
         "loss_spike",
         "grad_norm_spike",
         "overflow_burst",
+        "loss_collapse",
     }
 )
 #: Never part of an incident: the agent going quiet says nothing about the weights, and a
@@ -110,7 +114,9 @@ MIN_BASELINE_VALUES = 8
 class AdvisorConfig:
     """The advisor's thresholds (module docstring); every one can be overridden."""
 
-    min_loss_scale: float = HEALTHY_LOSS_SCALE
+    #: The lowest healthy loss scale (not the scaler's floor, which `watch()` and
+    #: `run_start` call `min_loss_scale`).
+    healthy_loss_scale: float = HEALTHY_LOSS_SCALE
     fall_window: int = 20
     baseline_buckets: int = 16
     baseline_k: float = 4.0
@@ -332,8 +338,8 @@ def _judge_scale(
     if scale is None:
         verdict.notes.insert(0, "no loss scale reported (no scaler)")
         return
-    if not scale >= config.min_loss_scale:  # NaN fails too
-        verdict.failures.append(f"loss scale {_fmt(scale)} < {_fmt(config.min_loss_scale)}")
+    if not scale >= config.healthy_loss_scale:  # NaN fails too
+        verdict.failures.append(f"loss scale {_fmt(scale)} < {_fmt(config.healthy_loss_scale)}")
     else:
         verdict.notes.insert(0, f"scale {_fmt(scale)}")
     falls = [
@@ -382,6 +388,11 @@ def _judge_act_norm(
 
 
 def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
+    """The alerts of the run's live branch: after a resume from a plan, only those started
+    since (`Run.resumed_at`); the abandoned branch's incident is over, and chaining back
+    into it would put a new incident's onset before the checkpoint the run resumed from."""
+    run = session.get(Run, run_id)
+    since = () if run is None or run.resumed_at is None else (Alert.started_at >= run.resumed_at,)
     rows = session.execute(
         select(
             Alert.rule,
@@ -390,24 +401,24 @@ def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
             Alert.started_step,
             Alert.fired_step,
             Alert.resolved_step,
-        ).where(Alert.run_id == run_id)
+        ).where(Alert.run_id == run_id, *since)
     ).all()
     return [_AlertSpan(*row) for row in rows]
 
 
 def run_config(session: Session, run_id: int, **overrides: Any) -> AdvisorConfig:
-    """The advisor's thresholds for run `run_id`: `min_loss_scale` is the run's effective
+    """The advisor's thresholds for run `run_id`: `healthy_loss_scale` is the run's effective
     `loss_scale_collapse.min_scale` (run > project > file > default), so the advisor and
     the collapse alert agree on what a healthy scale is; `overrides` win over both.
 
-    >>> run_config(session, 7, min_loss_scale=0.5).min_loss_scale  # doctest: +SKIP
+    >>> run_config(session, 7, healthy_loss_scale=0.5).healthy_loss_scale  # doctest: +SKIP
     0.5
     """
-    settings = None if "min_loss_scale" in overrides else settings_of_run(session, run_id)
+    settings = None if "healthy_loss_scale" in overrides else settings_of_run(session, run_id)
     if settings is not None:
         collapse = settings["loss_scale_collapse"]
         assert isinstance(collapse, LossScaleCollapse)
-        overrides["min_loss_scale"] = collapse.min_scale
+        overrides["healthy_loss_scale"] = collapse.min_scale
     return AdvisorConfig(**overrides)
 
 
@@ -433,7 +444,7 @@ def restart_candidates(
             select(func.max(Step.step)).where(Step.run_id == run_id, Step.rank == config.rank)
         )
         margin_steps = margin_for(last_step, config=config)
-    checkpoints = run_checkpoints(session, run_id).checkpoints
+    checkpoints = run_checkpoints(session, run_id, live=True).checkpoints
     first_bad = first_non_finite_loss(session, run_id, config.rank) if checkpoints else None
     judged = [
         (c, _judge(session, run_id, c, alerts, onset, margin_steps, config, first_bad))

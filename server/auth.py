@@ -38,7 +38,7 @@ from sqlalchemy import exists, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import begin_write, dialect_insert
-from ampwatch.server.models import Project, Run, Token, TokenScope, utcnow
+from ampwatch.server.models import Project, Token, TokenScope, utcnow
 from ampwatch.server.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -302,11 +302,6 @@ def resolve_principal(
     principal = Principal(project=project, scope=stored.scope)
     principal.check_access(access)
     return principal
-
-
-def run_project(session: Session, run_id: int) -> str | None:
-    """The project of run `run_id`, None when there is no such run."""
-    return session.scalar(select(Run.project).where(Run.id == run_id))
 
 
 def project_for_new_data(principal: Principal, named: str | None) -> str:

@@ -113,7 +113,9 @@ class Fp8Readiness(BaseModel):
     layers: list[Fp8Layer]
 
 
-def _run_start(session: Session, run_id: int) -> dict[str, object]:
+def latest_run_start(session: Session, run_id: int) -> dict[str, object]:
+    """The data of the run's latest `run_start` event ({} without one): what the process
+    that reports now declared (precision, recipe, sharding)."""
     data = session.scalar(
         select(Event.data)
         .where(Event.run_id == run_id, Event.kind == "run_start")
@@ -132,7 +134,7 @@ def recipe_of(run_start: dict[str, object]) -> str | None:
 
 def declared_recipe(session: Session, run_id: int) -> str | None:
     """The FP8 recipe the run's latest run_start declared."""
-    return recipe_of(_run_start(session, run_id))
+    return recipe_of(latest_run_start(session, run_id))
 
 
 def _thin(steps: list[int], limit: int) -> list[int]:
@@ -393,7 +395,7 @@ def loss_scale_advice(
     """Which loss scales S = 2^k would have flushed nothing and overflowed nothing in the
     gradients so far (their exponent histograms, <= max_steps sampled steps spread over the
     run), and an `init_scale` / `growth_interval` suggestion with its reason."""
-    applies, why = _fp16_run(_run_start(session, run_id))
+    applies, why = _fp16_run(latest_run_start(session, run_id))
     sampled = list(session.scalars(
         select(LayerHistogram.step).where(LayerHistogram.run_id == run_id,
                                           LayerHistogram.rank == rank)

@@ -71,13 +71,20 @@ def _loss_scales(session: Session, run_id: int, rank: int, steps: list[int]) -> 
     return scales
 
 
-def run_checkpoints(session: Session, run_id: int) -> CheckpointsPublic:
-    """The run's `checkpoint` events in time order."""
+def run_checkpoints(session: Session, run_id: int, *, live: bool = False) -> CheckpointsPublic:
+    """The run's `checkpoint` events in time order. `live`: without those of abandoned
+    branches, i.e. saved after the step a later `resumed` event rolled back to (stored
+    before it: event ids only grow), whose weights the resumed run left behind.
+
+    >>> [c.step for c in run_checkpoints(session, run.id, live=True).checkpoints]  # doctest: +SKIP
+    [10, 20, 30]
+    """
     events = session.scalars(
         select(Event)
-        .where(Event.run_id == run_id, Event.kind == "checkpoint")
+        .where(Event.run_id == run_id, Event.kind.in_(("checkpoint", "resumed")))
         .order_by(Event.time, Event.id)
-    )
+    ).all()
+    resumes = [(e.id, e.step) for e in events if e.kind == "resumed" and e.step is not None]
     return CheckpointsPublic(
         checkpoints=[
             CheckpointPublic(
@@ -87,5 +94,11 @@ def run_checkpoints(session: Session, run_id: int) -> CheckpointsPublic:
                 data=event.data,
             )
             for event in events
+            if event.kind == "checkpoint" and not (live and _abandoned(event, resumes))
         ]
     )
+
+
+def _abandoned(checkpoint: Event, resumes: list[tuple[int, int]]) -> bool:
+    step = checkpoint.step
+    return step is not None and any(checkpoint.id < id_ and step > to for id_, to in resumes)

@@ -4,7 +4,9 @@ Idempotency: every stored batch leaves its (run, stream, seq) in `ingested_batch
 batch seen before is acknowledged as a duplicate and changes nothing, so an agent may retry
 freely. The stream (one per agent process) keeps the ranks of a run, and a run resumed
 under the same id, from claiming each other's sequence numbers.
-Within and across batches a re-sent step (or layer-stats row) overwrites the earlier one.
+Within and across batches a re-sent step (or layer-stats row) overwrites the earlier one,
+except across a `resumed` event: the steps after its checkpoint are moved aside first
+(`ampwatch.server.rollback`), so the abandoned tail is kept and the new branch stored anew.
 
 Sequence numbers need not arrive in order: any (run, stream, seq) not stored yet is applied. The
 agent replays its spool in order, but a retry of batch n can land after batch n+1 went
@@ -20,10 +22,10 @@ size); the ranks' batches arrive in any order and any grouping. Each part is sto
 record when it carries that step (before the rule engine reads it), else as an update of
 the stored row (its rollups refreshed). The sum is `math.fsum`, exactly rounded, so the norm
 is the same bit for bit whatever the order, and recomputing it on a re-sent part is
-idempotent; a step whose parts never all arrive keeps a NULL norm. The rule engine judges
-a rank-0 record once, when its batch is stored (`alerts.evaluate`): a norm completed by a
-later batch of another rank is stored and charted, but `grad_norm_spike` neither judges
-nor learns it (as for a step whose norm was not measured).
+idempotent; a step whose parts never all arrive keeps a NULL norm. The rule engine reads
+a rank-0 record when its batch is stored (`alerts.evaluate`); a norm completed by a later
+batch of another rank is handed to it with that batch (`late_norms`), so `grad_norm_spike`
+judges it either way.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ import math
 import threading
 from collections import OrderedDict
 from datetime import datetime, timezone
+from operator import attrgetter
 from typing import Any
 from weakref import WeakKeyDictionary
 
@@ -48,8 +51,10 @@ from ampwatch.agent.wire import (
     decode_float,
     encode_float,
 )
+from ampwatch.server import run_version
 from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.alerts.evaluate import Judged
+from ampwatch.server.alerts.spikes import LateNorm
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert, upsert
 from ampwatch.server.firing import firing_alerts
@@ -70,6 +75,7 @@ from ampwatch.server.models import (
     utcnow,
 )
 from ampwatch.server.packed import pack_row
+from ampwatch.server.rollback import retire_abandoned_steps
 from ampwatch.server.rollups import refresh_step_rollups
 from ampwatch.server.schemas.runs import IngestAck
 from ampwatch.server.schemas.wire import BatchIn, EventIn, LayerStatsIn, StepIn
@@ -102,8 +108,14 @@ def ingest_batch(
     # The alert rules first, in this transaction (they read only their own state, never the
     # stored rows), so that what activation_norm_spike judged goes into the step rows'
     # own upsert: a separate UPDATE of 2,000 rows cost ~20 ms a batch on SQLite.
-    _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads grad_norm
-    judged = evaluate_batch(session, run, batch, now=now) if evaluate_alerts else []
+    for event in batch.events:  # before this batch's steps: they may be the new branch's
+        if event.kind == "resumed" and event.step is not None:
+            retire_abandoned_steps(session, run.id, event.step)
+            run.resumed_at = now  # alerts started before it belong to the abandoned branch
+    late = _combine_grad_norms(session, run.id, batch.steps)  # before the engine reads them
+    judged = (
+        evaluate_batch(session, run, batch, now=now, late_norms=late) if evaluate_alerts else []
+    )
     _store_steps(session, run.id, batch.steps, judged or [])
     _store_layer_stats(session, run, batch.layer_stats)
     _apply_events(session, run, batch.events)
@@ -111,6 +123,7 @@ def ingest_batch(
         column = f"dropped_{kind}"
         setattr(run, column, getattr(run, column) + batch.dropped.get(kind, 0))
     run.last_seen_at = now
+    run_version.bump(run)
     ack.alerts = firing_alerts(session, run.id)  # what this batch fired, in its transaction
     session.commit()
     return ack
@@ -141,10 +154,14 @@ def _lock_run(session: Session, batch: BatchIn, now: datetime) -> Run:
     return run
 
 
+#: The step row's columns, in the order `_store_steps` builds each row: the float fields
+#: are bound by name from `STEP_FLOAT_FIELDS` (the one list), so a new field cannot shift
+#: its neighbours' columns.
 _STEP_COLUMNS = (
     "run_id", "rank", "step", "skipped", *STEP_FLOAT_FIELDS, "lr_groups", "act_threshold",
     "act_above",
 )  # fmt: skip
+_step_floats = attrgetter(*STEP_FLOAT_FIELDS)
 
 
 def _store_steps(session: Session, run_id: int, steps: list[StepIn], judged: Judged) -> None:
@@ -164,11 +181,7 @@ def _store_steps(session: Session, run_id: int, steps: list[StepIn], judged: Jud
         key = (record.rank, record.step)
         latest[key] = (
             run_id, record.rank, record.step, record.skipped,
-            bind(record.loss), bind(record.loss_scale), bind(record.grad_norm),
-            bind(record.lr), bind(record.act_norm_mean), bind(record.act_norm_max),
-            bind(record.grad_norm_clipped),
-            bind(record.act_prenorm_mean), bind(record.act_prenorm_max),
-            bind(record.adam_rms_max), bind(record.update_ratio_max),
+            *map(bind, _step_floats(record)),
             None if record.lr_groups is None else record.lr_groups.astype("<f8").tobytes(),
             *verdicts.get(key, (None, None)),
         )  # fmt: skip
@@ -203,9 +216,10 @@ def combined_norm(parts: list[float]) -> float:
     return math.sqrt(math.fsum(parts))
 
 
-def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> None:
+def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> list[LateNorm]:
     """Store the batch's grad-norm parts; give every step they complete its norm (see the
-    module docstring). Reads the parts of the batch's steps only: (steps x world size) rows."""
+    module docstring). Reads the parts of the batch's steps only: (steps x world size) rows.
+    Returns the norms written into rows stored by earlier batches, for the rule engine."""
     sqlite = session.get_bind().dialect.name == "sqlite"
     bind = sqlite_float if sqlite else decode_float
     latest: dict[tuple[int, int], tuple[Any, ...]] = {}
@@ -214,7 +228,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
             key = (record.step, record.rank)
             latest[key] = (run_id, *key, bind(record.grad_sumsq), record.grad_parts)
     if not latest:
-        return
+        return []
     upsert(session, GradNormPart, _PART_COLUMNS, list(latest.values()), _PART_KEY)
     touched = {step for step, _ in latest}
     part = GradNormPart
@@ -227,7 +241,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
     ).scalars()
     done = touched.intersection(complete)
     if not done:
-        return
+        return []
     sums: dict[int, list[float]] = {}
     for step, sumsq in session.execute(select(part.step, part.sumsq).where(*in_range)):
         if step in done:
@@ -239,15 +253,16 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
             record.grad_norm = encode_float(norms[record.step])  # stored and judged with it
             stored.discard(record.step)
     if not stored:
-        return
+        return []
     rows = session.execute(
-        select(Step.step).where(
+        select(Step.step, Step.skipped).where(
             Step.run_id == run_id, Step.rank == _NORM_RANK, Step.step.in_(sorted(stored))
         )
-    ).scalars()
-    earlier = sorted(rows)  # rank 0's rows stored by earlier batches
+    )
+    skipped = {step: bool(flag) for step, flag in rows}  # rank 0's rows stored earlier
+    earlier = sorted(skipped)
     if not earlier:
-        return
+        return []
     table = Step.__table__
     assert isinstance(table, Table)  # a mapped class's table, not a select
     statement = (
@@ -257,6 +272,7 @@ def _combine_grad_norms(session: Session, run_id: int, steps: list[StepIn]) -> N
     )
     session.connection().execute(statement, [{"s": s, "g": norms[s]} for s in earlier])
     refresh_step_rollups(session, run_id, [(_NORM_RANK, a, b) for a, b in _runs(earlier)])
+    return [(_NORM_RANK, s, norms[s], skipped[s]) for s in earlier]
 
 
 def _runs(steps: list[int]) -> list[tuple[int, int]]:

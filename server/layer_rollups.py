@@ -36,6 +36,7 @@ import numpy.typing as npt
 from sqlalchemy import bindparam, delete, func, select, update
 from sqlalchemy.orm import Session, sessionmaker
 
+from ampwatch.server import run_version
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import LayerRollup, LayerStat, Run
 from ampwatch.server.packed import MISSING_BITS, unpack_matrix
@@ -290,7 +291,8 @@ def rollups_from_rows(
     run_id: int, rank: int, stat: str, rows: Iterable[tuple[int, bytes]]
 ) -> list[tuple[Any, ...]]:
     """Every level's rows of one (run, rank, statistic) from its raw (step, values) rows,
-    a finest bucket at a time (the migration's backfill; it holds the finest buckets)."""
+    a finest bucket at a time (`bench/query.py`'s bulk build; migration 0011 holds a frozen
+    copy of the reduction as of its revision)."""
     finest: list[tuple[str, int, Extremes]] = []
     bucket: list[tuple[int, bytes]] = []
 
@@ -397,4 +399,5 @@ def age_layer_stats(session: Session, run: Run, keep_steps: int) -> int:
         delete(LayerStat).where(LayerStat.run_id == run.id, LayerStat.step < horizon)
     )
     session.execute(update(Run).where(Run.id == run.id).values(layer_stats_aged_before=horizon))
+    run_version.bump_where(session, Run.id == run.id)  # a zoomed window reads the rollups
     return int(deleted.rowcount or 0)  # type: ignore[attr-defined]

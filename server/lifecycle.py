@@ -11,6 +11,7 @@ from __future__ import annotations
 from sqlalchemy import delete, select
 from sqlalchemy.orm import Session
 
+from ampwatch.server import run_version
 from ampwatch.server.auth import ensure_project
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.models import RUN_KEY, Run, utcnow
@@ -54,6 +55,7 @@ def create_or_resume(
         run.ended_at = None
         run.end_reason = None
         run.last_seen_at = now
+        run_version.bump(run)
     session.commit()
     return run.id, created
 
@@ -69,6 +71,7 @@ def end_run(session: Session, run_id: int, *, reason: str | None = None) -> bool
         run.status = "ended"
         run.ended_at = utcnow()
         run.end_reason = reason
+        run_version.bump(run)
     session.commit()
     return True
 

@@ -16,12 +16,13 @@ from sqlalchemy.exc import OperationalError
 from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
-from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.agent.wire import API_PREFIX, DASHBOARD_PREFIX, INGEST_PATH
 from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import (
     advisor,
     alerts,
+    conditional,
     fp8,
     health,
     ingest,
@@ -36,9 +37,6 @@ from ampwatch.server.body_limit import BodyLimit
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
-
-API_PREFIX = "/api/v1"
-DASHBOARD_PATH = "/dashboard"
 
 
 def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) -> FastAPI:
@@ -56,10 +54,13 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     @asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         # The limiter belongs to this event loop: the threads that run sync endpoints.
-        anyio.to_thread.current_default_thread_limiter().total_tokens = settings.worker_threads
+        # Reads and ingest each hold at most their lane's share of it (`admission.py`).
+        threads = settings.worker_threads + settings.ingest_threads
+        anyio.to_thread.current_default_thread_limiter().total_tokens = threads
         with sessions() as session:
             auth.check_exposure(session, settings)
         worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
+        _app.state.delivery = worker  # ingest wakes it when a batch queued a notification
         if freeze_heap:
             with heap.startup_heap_frozen():
                 yield
@@ -104,10 +105,19 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         app.include_router(api.router, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
     # The routes + the alerts file.
     alerts.mount(app, prefix=API_PREFIX, dependencies=guard, responses=AUTH_ERRORS)
+    app.state.tagged_answers = conditional.TaggedAnswers()
+    app.state.answer_tag = conditional.answer_tag(
+        app.state.migration_head, app.state.sessionmaker.kw["info"]
+    )
     if settings.dashboard:
         _mount_dashboard(app, settings)
     # Added last, so outermost: a request waits for its turn before any other work.
-    app.add_middleware(AdmissionLimit, max_active=settings.max_active_requests)
+    app.add_middleware(
+        AdmissionLimit,
+        reads=settings.worker_threads,
+        ingests=settings.ingest_threads,
+        unqueued_mount=DASHBOARD_PREFIX,
+    )
     return app
 
 
@@ -131,18 +141,18 @@ def _mount_dashboard(app: FastAPI, settings: Settings) -> None:
     token = settings.dashboard_token
     dash = create_dash_app(
         api_url=settings.public_url,
-        requests_pathname_prefix=f"{DASHBOARD_PATH}/",
+        requests_pathname_prefix=f"{DASHBOARD_PREFIX}/",
         token=token.get_secret_value() if token is not None else None,
     )
     # Compressed for a browser across a network (an SSH tunnel to the cluster, say): a
     # first visit's 2.7 MB of scripts and ~0.9 MB of page data shrink to about a third.
     # Level 1: ~10 ms of server CPU per MB; higher levels cost 3x for a few percent more.
     app.mount(
-        DASHBOARD_PATH,
+        DASHBOARD_PREFIX,
         # a2wsgi's ASGI types are stricter than starlette's callable protocol, same shape.
         GZipMiddleware(WSGIMiddleware(dash.server), minimum_size=1024, compresslevel=1),  # type: ignore[arg-type]
     )
 
     @app.get("/", include_in_schema=False)
     def root() -> RedirectResponse:
-        return RedirectResponse(f"{DASHBOARD_PATH}/")
+        return RedirectResponse(f"{DASHBOARD_PREFIX}/")

@@ -116,8 +116,8 @@ class SafeString(TypeDecorator[str]):
     batch forever) while SQLite kept it, is stored as U+FFFD on both. Identifiers never
     get here with one (the wire's `Name` refuses it with a 422); free text is kept, marked.
 
-    >>> SafeString().process_bind_param("disk\x00full", None)
-    'disk\ufffdfull'
+    >>> SafeString().process_bind_param("disk\\x00full", None)
+    'disk\\ufffdfull'
     """
 
     impl = String
@@ -242,6 +242,13 @@ class Run(Base):
     #: Raw layer samples before this step were aged into the rollups
     #: (`ampwatch.server.layer_rollups.age_layer_stats`); NULL when none were.
     layer_stats_aged_before: Mapped[int | None] = mapped_column(BigInteger)
+    #: When the collector stored the run's latest `resumed` event (`watch(resume_from=)`):
+    #: alerts started before it belong to abandoned branches (the advisor's incident is
+    #: the live branch's); NULL if never resumed.
+    resumed_at: Mapped[datetime | None] = mapped_column(UTCDateTime)
+    #: Bumped by every write that changes what the run's reads answer
+    #: (`ampwatch.server.run_version`): the ETag of those answers.
+    version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class IngestedBatch(Base):
@@ -306,6 +313,27 @@ class GradNormPart(Base):
     rank: Mapped[int] = mapped_column(Integer, primary_key=True)
     sumsq: Mapped[float] = mapped_column(NonFiniteFloat)
     parts: Mapped[int] = mapped_column(Integer)
+
+
+class AbandonedStep(Base):
+    """A step a resumed run abandoned: recorded after the resume plan's checkpoint
+    (`from_step` of the `resumed` event) before the run was resumed from it. Moved here out
+    of `steps` when the `resumed` event is stored (`ampwatch.server.rollback`), so `steps`
+    and its rollups hold the live branch only while the abandoned tail stays drawable (the
+    run page greys it). `branch` numbers the run's resumes from 1. Only the fields the
+    rollback is drawn with are kept."""
+
+    __tablename__ = "abandoned_steps"
+
+    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
+    branch: Mapped[int] = mapped_column(Integer, primary_key=True)
+    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
+    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
+    from_step: Mapped[int] = mapped_column(BigInteger)
+    skipped: Mapped[bool] = mapped_column(Boolean)
+    loss: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    loss_scale: Mapped[float | None] = mapped_column(NonFiniteFloat)
+    grad_norm: Mapped[float | None] = mapped_column(NonFiniteFloat)
 
 
 class _StepExtremes:

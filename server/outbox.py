@@ -15,6 +15,10 @@ from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook
 
 Transition = Literal["firing", "resolved"]
 
+#: Set in `session.info` when `enqueue` queued a row: the ingest route then wakes the
+#: delivery worker (`webhook_delivery.DeliveryWorker.wake`) once the batch committed.
+QUEUED_KEY = "ampwatch.notifications_queued"
+
 
 def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
     """Queue one notification of `alert`'s `transition` per enabled webhook that wants it
@@ -43,4 +47,6 @@ def enqueue(session: Session, alert: Alert, transition: Transition) -> int:
         )
         for hook in hooks
     )
+    if hooks:
+        session.info[QUEUED_KEY] = True
     return len(hooks)

@@ -25,7 +25,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from typing import Any
 
-from sqlalchemy import BigInteger, Integer, bindparam, case, func, literal, select
+from sqlalchemy import BigInteger, Integer, bindparam, case, delete, func, literal, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import STEP_FLOAT_FIELDS
@@ -43,8 +43,7 @@ FINE_LEVEL = FINEST // LEVEL_FACTOR
 #: The step rollups' levels, finest first (`plan_reads`' `levels` for the step series).
 STEP_LEVELS: tuple[int, ...] = (FINE_LEVEL, *LAYER_LEVELS)
 
-#: The step fields' rollup columns, in table order after the key (migrations 0012 and 0014
-#: keep their own frozen lists).
+#: The extremes of every step field and the skip count, in table order after the key.
 EXTREME_COLUMNS: tuple[str, ...] = (
     "first_step",
     "last_step",
@@ -99,38 +98,35 @@ def level_source(level: int) -> tuple[type[StepRollup | StepRollupLevel], list[A
     return StepRollupLevel, [StepRollupLevel.level == level]
 
 
-def level_rows(
-    dialect: str, level: int, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS
-) -> Any:
+def level_rows(dialect: str, level: int, *where: Any) -> Any:
     """An INSERT .. SELECT upserting the `level`-step rollups from the level below's rows
-    that match `where` (terms on the below level's table, given by `level_source`);
-    `columns`: a migration's own set (0012 predates `THRESHOLD_COLUMNS`)."""
+    that match `where` (terms on the below level's table, given by `level_source`)."""
     source, of_level = level_source(level // LEVEL_FACTOR)
     bucket = (source.bucket_start // level) * level
     rows = (
         select(
             source.run_id, source.rank, *_level_key(level), bucket,
-            *rollup_aggregates(source, columns), func.sum(source.step_count),
+            *rollup_aggregates(source), func.sum(source.step_count),
         )
         .where(*of_level, *where)
         .group_by(source.run_id, source.rank, bucket)
     )  # fmt: skip
-    return _upsert_rows(dialect, level, rows, columns)
+    return _upsert_rows(dialect, level, rows)
 
 
-def fine_rows(dialect: str, *where: Any, columns: tuple[str, ...] = ROLLUP_COLUMNS) -> Any:
+def fine_rows(dialect: str, *where: Any) -> Any:
     """An INSERT .. SELECT upserting the `FINE_LEVEL` rollups of the raw steps that match
-    `where` (ingest's refresh, and migration 0014's backfill)."""
+    `where` (ingest's refresh; migration 0014 holds a frozen copy as of its revision)."""
     bucket = (Step.step // FINE_LEVEL) * FINE_LEVEL
     rows = (
         select(
             Step.run_id, Step.rank, *_level_key(FINE_LEVEL), bucket,
-            *step_aggregates(columns), func.count(),
+            *step_aggregates(), func.count(),
         )
         .where(*where)
         .group_by(Step.run_id, Step.rank, bucket)
     )  # fmt: skip
-    return _upsert_rows(dialect, FINE_LEVEL, rows, columns)
+    return _upsert_rows(dialect, FINE_LEVEL, rows)
 
 
 def _level_key(level: int) -> list[Any]:
@@ -138,9 +134,10 @@ def _level_key(level: int) -> list[Any]:
     return [] if level == ROLLUP_WIDTH else [literal(level, Integer)]
 
 
-def _upsert_rows(dialect: str, level: int, rows: Any, columns: tuple[str, ...]) -> Any:
-    """`rows` (run, rank, [level,] bucket start, `columns`, step count) upserted into the
-    table of `level` (`level_source`)."""
+def _upsert_rows(dialect: str, level: int, rows: Any) -> Any:
+    """`rows` (run, rank, [level,] bucket start, `ROLLUP_COLUMNS`, step count) upserted
+    into the table of `level` (`level_source`)."""
+    columns = ROLLUP_COLUMNS
     table, _ = level_source(level)
     key = ["run_id", "rank", *(["level"] if _level_key(level) else []), "bucket_start"]
     statement = insert_for(dialect, table).from_select([*key, *columns, "step_count"], rows)
@@ -166,6 +163,11 @@ class _Refresh:
     finest: Any
     levels: tuple[tuple[int, Any], ...]
     totals: Any
+    #: After deleted steps: each level's rows in the span, dropped before the recompute (an
+    #: emptied bucket has no rows to recompute it from), and the totals with the last step
+    #: set rather than raised.
+    drops: tuple[tuple[int, Any], ...]
+    lowered: Any
 
 
 @functools.cache
@@ -204,27 +206,54 @@ def _refresh_statements(dialect: str) -> _Refresh:
         skipped_steps=_param("skipped"), last_step=_param("last_step"),
     )  # fmt: skip
     table = RunStepTotals.__table__.c
-    # Steps are never deleted apart from their run, so a (run, rank)'s last step only rises.
+    added = {
+        "steps": table.steps + totals.excluded.steps,
+        "skipped_steps": table.skipped_steps + totals.excluded.skipped_steps,
+    }
+    # Steps are deleted only as a resume's abandoned tail (`lowered`), so otherwise a
+    # (run, rank)'s last step only rises.
+    lowered = totals.on_conflict_do_update(
+        index_elements=["run_id", "rank"], set_={**added, "last_step": totals.excluded.last_step}
+    )
     totals = totals.on_conflict_do_update(
         index_elements=["run_id", "rank"],
         set_={
-            "steps": table.steps + totals.excluded.steps,
-            "skipped_steps": table.skipped_steps + totals.excluded.skipped_steps,
+            **added,
             "last_step": case(
                 (totals.excluded.last_step > table.last_step, totals.excluded.last_step),
                 else_=table.last_step,
             ),
         },
     )
-    return _Refresh(counted, fine, finest, tuple(levels), totals)
+    drops = []
+    for level in (FINE_LEVEL, ROLLUP_WIDTH, *LAYER_LEVELS[1:]):
+        source, of_level = level_source(level)
+        drops.append(
+            (
+                level,
+                delete(source).where(
+                    *of_level,
+                    source.run_id == run_id,
+                    source.rank == rank,
+                    source.bucket_start.between(low, high),
+                ),
+            )
+        )
+    return _Refresh(counted, fine, finest, tuple(levels), totals, tuple(drops), lowered)
 
 
 def refresh_step_rollups(
-    session: Session, run_id: int, spans: Iterable[tuple[int, int, int]]
+    session: Session,
+    run_id: int,
+    spans: Iterable[tuple[int, int, int]],
+    *,
+    deleted: bool = False,
 ) -> None:
     """Recompute the rollups covering steps `first..last` of `rank`, per (rank, first, last),
     and move the run's `run_step_totals` (created at the first batch; the caller holds the
-    run's lock) by what the recomputed rollups changed.
+    run's lock) by what the recomputed rollups changed. `deleted`: the spans' steps were
+    deleted (a resume's abandoned tail, `ampwatch.server.rollback`): their rollup rows are
+    dropped and recomputed from what is left, and the rank's last step falls to `first - 1`.
 
     >>> refresh_step_rollups(session, run.id, [(0, 1, 2000)])  # doctest: +SKIP
     """
@@ -240,19 +269,25 @@ def refresh_step_rollups(
             "high": last // ROLLUP_WIDTH * ROLLUP_WIDTH + ROLLUP_WIDTH - 1,
         }
         steps_before, skipped_before = connection.execute(statements.counted, span).one()
+        if deleted:  # the same bucket ranges the recompute below covers, level by level
+            for level, statement in statements.drops:
+                aligned = level if level > ROLLUP_WIDTH else ROLLUP_WIDTH
+                connection.execute(statement, {**span, **_bounds(first, last, aligned)})
         connection.execute(statements.fine, span)
         connection.execute(statements.finest, span)
         for level, statement in statements.levels:
-            connection.execute(
-                statement,
-                {**span, "low": first // level * level, "high": last // level * level + level - 1},
-            )
+            connection.execute(statement, {**span, **_bounds(first, last, level)})
         steps_after, skipped_after = connection.execute(statements.counted, span).one()
         totals = {
             "run_id": run_id,
             "rank": rank,
             "steps": int(steps_after - steps_before),
             "skipped": int(skipped_after - skipped_before),
-            "last_step": last,
+            "last_step": first - 1 if deleted else last,
         }
-        connection.execute(statements.totals, totals)
+        connection.execute(statements.lowered if deleted else statements.totals, totals)
+
+
+def _bounds(first: int, last: int, level: int) -> dict[str, int]:
+    """The whole `level`-step buckets covering steps `first..last`."""
+    return {"low": first // level * level, "high": last // level * level + level - 1}

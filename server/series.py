@@ -46,7 +46,7 @@ from ampwatch.server.models import Layer, Module, Step
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import STEP_LEVELS, level_source, rollup_aggregates, step_aggregates
 from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
-from ampwatch.server.schemas.wire import MAX_BIGINT as MAX_STEP
+from ampwatch.server.schemas.wire import MAX_STEP
 from ampwatch.server.segments import reduce_at
 
 

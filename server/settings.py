@@ -70,8 +70,9 @@ class Settings(BaseSettings):
         default=4,
         ge=1,
         le=256,
-        description="Threads per collector process that run API requests (anyio's default "
-        "is 40). More threads only queue for the GIL: with 40 busy ones the event loop waited "
+        description="Threads per collector process that run API reads, which are admitted "
+        "as many at a time (the rest wait their turn, never refused; `server/admission.py`); "
+        "ingest has ingest_threads of its own. anyio's default is 40. More threads only queue for the GIL: with 40 busy ones the event loop waited "
         "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients; "
         "4 instead of 8 took bench/load.py's /healthz p99 from 57-82 to 37-56 ms.",
     )
@@ -82,11 +83,13 @@ class Settings(BaseSettings):
         "opening or after its previous answer; then it is closed (`server/connections.py`; "
         "also uvicorn's keep-alive timeout).",
     )
-    max_active_requests: int = Field(
-        default=32,
+    ingest_threads: int = Field(
+        default=2,
         ge=1,
-        description="Requests per collector process worked on at once; more wait their turn "
-        "(never refused), so /healthz is answered at once under load (`server/admission.py`).",
+        le=256,
+        description="Threads per collector process kept for ingest, besides worker_threads "
+        "(which serve reads): a batch waits only for other batches, never behind reads "
+        "(`server/admission.py`).",
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
@@ -114,6 +117,11 @@ class Settings(BaseSettings):
         default=None,
         description="TOML file of alert thresholds: [rules.<rule>] and "
         "[projects.<project>.rules.<rule>] sections (README, 'Alert rules').",
+    )
+    assets_dir: Path | None = Field(
+        default=None,
+        description="Folder of fetched browser assets (`ampwatch fetch-plotly`); default: "
+        "<python prefix>/share/ampwatch, so a fresh venv starts without stale files.",
     )
     dashboard_token: SecretStr | None = Field(
         default=None,

@@ -102,8 +102,8 @@ class _Claim:
 
 
 class DeliveryWorker:
-    """One daemon thread per collector process: each `settings.notify_interval` it runs
-    the alert sweep and delivers due notifications (`tick`). `stop()` waits for the
+    """One daemon thread per collector process: each `settings.notify_interval`, or at
+    once when woken (`wake`), it runs the alert sweep and delivers due notifications (`tick`). `stop()` waits for the
     round in progress, which is bounded by the webhook timeout.
     """
 
@@ -120,6 +120,7 @@ class DeliveryWorker:
         self._sweep = alert_sweep if sweep == "auto" else sweep
         self._rng = rng
         self._stop = threading.Event()
+        self._wake = threading.Event()
         self._thread: threading.Thread | None = None
         self._client = http_client(settings)
         self._pool = ThreadPoolExecutor(PARALLEL_POSTS, thread_name_prefix="ampwatch-webhook")
@@ -136,14 +137,25 @@ class DeliveryWorker:
     def stop(self, timeout: float | None = None) -> None:
         """Stop after the current round (idempotent); waits up to `timeout` seconds."""
         self._stop.set()
+        self._wake.set()
         if self._thread is not None:
             bound = 3 * self._settings.webhook_timeout if timeout is None else timeout
             self._thread.join(bound)
         self._pool.shutdown(wait=False, cancel_futures=True)
         self._client.close()
 
+    def wake(self) -> None:
+        """Start a round now rather than at the next interval: ingest calls it when a batch
+        queued a notification, so an alert's delivery waits for no timer (up to a second,
+        by default, before)."""
+        self._wake.set()
+
     def _loop(self) -> None:
-        while not self._stop.wait(self._settings.notify_interval):
+        while True:
+            self._wake.wait(self._settings.notify_interval)
+            self._wake.clear()  # before the round: a wake during it starts the next one
+            if self._stop.is_set():
+                return
             self.tick()
 
     def tick(self, now: datetime | None = None) -> int:

@@ -17,6 +17,7 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any, Literal
 
+from ampwatch.agent.wire import DASHBOARD_PREFIX
 from ampwatch.server.models import Alert, Run, Webhook, utcnow
 from ampwatch.server.settings import Settings
 
@@ -45,7 +46,7 @@ class Message:
 def run_page_url(settings: Settings, run_id: int) -> str:
     """The dashboard page of run `run_id`: under `dashboard_url` when the dashboard runs on
     its own, else under the collector's `public_url`, where it is mounted."""
-    base = settings.dashboard_url or f"{settings.public_url}/dashboard"
+    base = settings.dashboard_url or settings.public_url + DASHBOARD_PREFIX
     return f"{base.rstrip('/')}/run/{run_id}"
 
 

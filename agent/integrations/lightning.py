@@ -36,6 +36,15 @@ What Lightning does, and what the callback relies on (lightning 2.6, read from i
 - DDP: every rank's callback attaches (the run id is rank 0's, broadcast once), rank 0
   sends the step scalars, every rank its layer statistics.
 
+Data position (`handle.data_position`): each step's first `batch_idx` and
+`trainer.current_epoch`, so a resume plan lists the batches to skip. Lightning's `batch_idx`
+is the data's own when the fit starts at an epoch's start or the dataloader is resumable
+(the `state_dict` / `load_state_dict` interface Lightning saves in the checkpoint); a
+mid-epoch resume of another loader restarts its data while `batch_idx` continues (Lightning
+warns). The relaunch: `trainer.fit(model, loader, ckpt_path=plan.path)` with
+`AmpwatchCallback(resume_from=plan)`, and `training_step` returning None for
+`plan.skips(batch_idx, self.current_epoch)` (Lightning then skips that batch).
+
 The run ends `finished` at `on_train_end`, `failed` (with the exception) at
 `on_exception`; `teardown` detaches whatever is still attached.
 
@@ -45,7 +54,10 @@ the advisor; when the collector reports a critical alert, the callback saves one
 through `trainer.save_checkpoint` (in `ModelCheckpoint`'s folder, else the root dir) at
 the end of the batch and sets `trainer.should_stop`; `callback.exit_code` is then
 `EXIT_CRITICAL_ALERT` for `sys.exit`. Lightning does not agree on `should_stop` across
-ranks: under DDP, see `ampwatch.agent.policy` (single-process fits only, for now).
+ranks by itself (a rank that stops alone hangs the others): under DDP the callbacks agree
+at the end of every `AGREE_EVERY`-th step through `trainer.strategy.reduce_boolean_decision`
+(any rank's stop stops all, as EarlyStopping agrees), so every rank saves (rank 0 writes,
+and reports it) and stops at the same step.
 """
 
 from __future__ import annotations
@@ -55,8 +67,9 @@ from typing import Any
 
 import torch
 
-from ampwatch.agent import WatchHandle, watch
+from ampwatch.agent import EXIT_CRITICAL_ALERT, WatchHandle, watch
 from ampwatch.agent.patch import patch_method
+from ampwatch.agent.policy import AGREE_EVERY
 
 try:
     from lightning.pytorch import Callback, LightningModule, Trainer
@@ -92,6 +105,8 @@ class AmpwatchCallback(Callback):
         #: The handle's exit code at detach (`ampwatch.agent.EXIT_CRITICAL_ALERT` once a
         #: critical alert stopped the fit): `sys.exit(callback.exit_code)` after `fit()`.
         self.exit_code = 0
+        #: The fit stopped for a critical alert (this rank's, or another's under DDP).
+        self.stopped = False
 
     def on_train_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         if self.handle is not None:
@@ -120,7 +135,8 @@ class AmpwatchCallback(Callback):
         def make(original: Any) -> Any:
             def save_checkpoint(filepath: Any, *args: Any, **kwargs: Any) -> Any:
                 result = original(filepath, *args, **kwargs)
-                handle.checkpoint(filepath, trainer.global_step)
+                if trainer.is_global_zero:  # every rank calls it, rank 0 writes the file
+                    handle.checkpoint(filepath, trainer.global_step)
                 return result
 
             return save_checkpoint
@@ -131,6 +147,8 @@ class AmpwatchCallback(Callback):
         self, trainer: Trainer, pl_module: LightningModule, batch: Any, batch_idx: int
     ) -> None:
         self._loss_taken = False
+        if self.handle is not None:  # a resume plan then lists batches, not only steps
+            self.handle.data_position(batch_idx, epoch=trainer.current_epoch)
 
     def on_before_backward(
         self, trainer: Trainer, pl_module: LightningModule, loss: torch.Tensor
@@ -164,13 +182,13 @@ class AmpwatchCallback(Callback):
         batch_idx: int,
     ) -> None:
         handle, scaler = self.handle, self._scaler
-        if handle is not None and handle.should_stop and not trainer.should_stop:
+        if self._should_stop(trainer) and not trainer.should_stop:
             folder = (
                 getattr(trainer.checkpoint_callback, "dirpath", None) or trainer.default_root_dir
             )
             name = f"ampwatch-critical-step={trainer.global_step}.ckpt"
             trainer.save_checkpoint(os.path.join(folder, name))  # reported to the advisor
-            trainer.should_stop = True
+            trainer.should_stop = self.stopped = True
         if handle is None or scaler is None or not pl_module.automatic_optimization:
             return
         try:
@@ -179,6 +197,18 @@ class AmpwatchCallback(Callback):
                 handle.record(step=trainer.global_step, skipped=True, loss_scale=scale, lr=self._lr)
         except Exception as exc:  # noqa: BLE001 - the agent never raises into the loop
             handle._on_error(exc)
+
+    def _should_stop(self, trainer: Trainer) -> bool:
+        """This rank's stop decision. Under DDP with `on_critical="stop"`: every rank's
+        decision reduced with any(), every `AGREE_EVERY` steps (the schedule and the
+        policy are the same on every rank, so every rank enters the collective at the
+        same step, whether or not its handle heard the alert), never between."""
+        local = self.handle is not None and self.handle.should_stop
+        if trainer.world_size == 1 or self._watch_kwargs.get("on_critical") != "stop":
+            return local
+        if trainer.global_step % AGREE_EVERY != 0:
+            return False
+        return bool(trainer.strategy.reduce_boolean_decision(local, all=False))
 
     def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
         self._detach("finished")
@@ -196,3 +226,5 @@ class AmpwatchCallback(Callback):
         if handle is not None:
             self.exit_code = handle.exit_code
             handle.detach(status, reason)
+        if self.stopped:  # another rank heard it: this rank stopped for it too
+            self.exit_code = EXIT_CRITICAL_ALERT

@@ -5,8 +5,9 @@ source): it builds an accelerate `Accelerator`, whose `AcceleratedOptimizer` hol
 optimizer (`.optimizer`) and, for FP16 on a GPU, the GradScaler (`.scaler`); the callback
 gets that optimizer in `on_train_begin` and `watch()` unwraps both. The Trainer clips with
 `accelerator.clip_grad_norm_` (`max_grad_norm`, default 1.0, or `inf` just to measure),
-which calls `torch.nn.utils.clip_grad_norm_`: the stored grad norm is the one it returned,
-before clipping, which is also what the Trainer logs as `grad_norm`. It steps the optimizer
+which calls `torch.nn.utils.clip_grad_norm_` (accelerate < 1.16) or `get_total_norm` then
+`clip_grads_with_norm_` (>= 1.16; both tapped by `agent/clipping.py`): the stored grad norm
+is the one it computed, before clipping, which is also what the Trainer logs as `grad_norm`. It steps the optimizer
 once per accumulation boundary, then the lr scheduler, so the lr read at the step is the
 one in effect.
 
@@ -24,7 +25,12 @@ Alert to action (`watch(on_critical="stop")`, `ampwatch.agent.policy`): each che
 Trainer saves (`on_save`: `output_dir/checkpoint-<step>`) is reported to the advisor; when
 the collector reports a critical alert, `on_step_end` sets `control.should_save` and
 `control.should_training_stop`, so the Trainer saves through its own checkpoint path and
-stops; `callback.exit_code` is then `EXIT_CRITICAL_ALERT` for `sys.exit`.
+stops; `callback.exit_code` is then `EXIT_CRITICAL_ALERT` for `sys.exit`. The Trainer
+does not agree on `control.should_training_stop` across ranks (each rank breaks out of its
+own loop; its EarlyStopping relies on metrics that are the same on every rank), so under
+DDP the callback agrees itself: at `on_step_end` of every `AGREE_EVERY`-th step, on every
+rank, a one-element `torch.distributed.all_reduce` (MAX) of the ranks' decisions, so every
+rank saves (rank 0 reports it) and stops at the same step.
 
 The Trainer has no exception callback: a run that raises ends as `exited` at interpreter
 exit (the agent's atexit handler), a finished one as `finished` at `on_train_end`.
@@ -38,7 +44,8 @@ from typing import Any
 import torch
 from transformers import TrainerCallback
 
-from ampwatch.agent import WatchHandle, watch
+from ampwatch.agent import EXIT_CRITICAL_ALERT, WatchHandle, watch
+from ampwatch.agent.policy import AGREE_EVERY
 
 __all__ = ["AmpwatchCallback"]
 
@@ -58,6 +65,8 @@ class AmpwatchCallback(TrainerCallback):
         self._loss_hook: torch.utils.hooks.RemovableHandle | None = None
         #: The handle's exit code at detach: `sys.exit(callback.exit_code)` after `train()`.
         self.exit_code = 0
+        #: Training stopped for a critical alert (this rank's, or another's under DDP).
+        self.stopped = False
 
     def on_train_begin(
         self,
@@ -75,12 +84,31 @@ class AmpwatchCallback(TrainerCallback):
         self._loss_hook = model.register_forward_hook(self._on_forward, with_kwargs=True)
 
     def on_step_end(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.handle is not None and self.handle.should_stop:
+        if self._should_stop(args, state):
             control.should_save = True
             control.should_training_stop = True
+            self.stopped = True
+
+    def _should_stop(self, args: Any, state: Any) -> bool:
+        """This rank's stop decision. Under DDP with `on_critical="stop"`: the MAX over the
+        ranks every `AGREE_EVERY` steps (the same steps on every rank, whatever each
+        heard), never between."""
+        local = self.handle is not None and self.handle.should_stop
+        distributed = torch.distributed.is_available() and torch.distributed.is_initialized()
+        if not distributed or self._watch_kwargs.get("on_critical") != "stop":
+            return local
+        if torch.distributed.get_world_size() == 1:
+            return local
+        if state.global_step % AGREE_EVERY != 0:
+            return False
+        decision = torch.tensor([float(local)], device=args.device)
+        torch.distributed.all_reduce(decision, op=torch.distributed.ReduceOp.MAX)
+        return bool(decision.item())
 
     def on_save(self, args: Any, state: Any, control: Any, **kwargs: Any) -> None:
-        if self.handle is not None:  # the Trainer's own folder name (PREFIX_CHECKPOINT_DIR)
+        # The Trainer's own folder name (PREFIX_CHECKPOINT_DIR); every rank saves, rank 0
+        # writes the files and reports them.
+        if self.handle is not None and state.is_world_process_zero:
             path = os.path.join(args.output_dir, f"checkpoint-{state.global_step}")
             self.handle.checkpoint(path, state.global_step)
 
@@ -91,7 +119,9 @@ class AmpwatchCallback(TrainerCallback):
             self._loss_hook = None
         if handle is not None:
             self.exit_code = handle.exit_code
-            handle.detach("stopped" if handle.should_stop else "finished")
+            handle.detach("stopped" if handle.should_stop or self.stopped else "finished")
+        if self.stopped:  # another rank heard it: this rank stopped for it too
+            self.exit_code = EXIT_CRITICAL_ALERT
 
     def _on_forward(
         self, module: torch.nn.Module, args: Any, kwargs: dict[str, Any], output: Any

@@ -66,12 +66,12 @@ def overflow(line: str) -> Overflow | None:
         float(rest.group(1)),
         None if rest.group(2) is None else float(rest.group(2)),
         None if rest.group(3) is None else int(rest.group(3)),
-        line_rank(line),
+        _line_rank(line),
         None if head.group(1) is None else int(head.group(1)),
     )
 
 
-def line_rank(line: str) -> int | None:
+def _line_rank(line: str) -> int | None:
     prefix = _RANK_PREFIX.match(line)
     return None if prefix is None else int(prefix.group(1) or prefix.group(2))
 

@@ -4,7 +4,9 @@ Charts: loss scale (log2, the scale lines the run's rules judge by, skipped step
 checkpoints with the advisor's verdicts) over the loss; skip rate; gradient norm;
 final-layer activation norm with activation_norm_spike's own threshold; a layers × steps heatmap (zero-gradient fraction, FP16-subnormal share or
 flush-to-zero forecast; click a row for the layer's page); the alerts as a timeline with
-their explanations; the checkpoints with the restart advisor's verdicts.
+their explanations; the checkpoints with the restart advisor's verdicts. After a resume
+from a plan (`watch(resume_from=)`), the loss, loss-scale and grad-norm charts draw the
+abandoned tail greyed under the new branch (`step_figures.abandoned_traces`).
 
 Data flow: the page comes drawn with its data (`layout(run_id, client)`, in the app's
 initial layout or from the router), then three callbacks:
@@ -12,7 +14,8 @@ initial layout or from the router), then three callbacks:
   ends), and reads only steps and heatmap rows after it, appended to the `RUN_DATA` store
   (API JSON shape, so NaN survives) with a `Patch` (the browser receives the new points
   only), plus the small things that change in place (run summary, alerts, advisor); an
-  unchanged run summary ends the tick. When the appended tail outgrows the first answer
+  unchanged run summary ends the tick, and a new `resumed` event reads everything again
+  (the collector moved the steps after its checkpoint aside). When the appended tail outgrows the first answer
   it refetches once, so the store stays downsampled.
 - `zoom`: a step chart's relayoutData (x range) fetches that window again from the
   collector at full resolution (its downsampling gives finer buckets for a narrower
@@ -38,6 +41,7 @@ from ampwatch.dashboard.client import (
     HEATMAP_STEPS,
     STEP_COLUMNS,
     STEP_POINTS,
+    AbandonedTail,
     Alert,
     CollectorClient,
     CollectorError,
@@ -211,12 +215,13 @@ def fetch_run_data(
         "layers": lambda: client.layer_names(run_id),
         "alerts": lambda: client.alerts(run_id),
         "advice": lambda: client.restart_candidates(run_id),
+        "abandoned": lambda: client.abandoned_steps(run_id),
     }
     try:
         with ThreadPoolExecutor(max_workers=len(reads)) as pool:
             futures = {name: pool.submit(read) for name, read in reads.items()}
             answers = {name: future.result() for name, future in futures.items()}
-        run, steps, heatmap, events, layers, alerts, advice = answers.values()
+        run, steps, heatmap, events, layers, alerts, advice, abandoned = answers.values()
     except RunNotFound:
         return {"error": f"There is no run {run_id} on this collector."}
     except CollectorError as exc:
@@ -231,7 +236,14 @@ def fetch_run_data(
         "layers": layers,
         "alerts": alerts_json(alerts),
         "advice": _optional(advice),
+        "abandoned": [tail.to_json() for tail in abandoned],
     }
+
+
+def resumes_in(events: list[dict[str, Any]]) -> int:
+    """The run's `resumed` events: a new one moved the steps after its checkpoint aside on
+    the collector, so the stored series is read again whole (`update_run_data`)."""
+    return sum(1 for event in events if event["kind"] == "resumed")
 
 
 def cursor_of(data: dict[str, Any] | None) -> dict[str, Any] | None:
@@ -250,6 +262,7 @@ def cursor_of(data: dict[str, Any] | None) -> dict[str, Any] | None:
         "rows": len(heatmap["steps"]),
         "heatmap_next": data.get("heatmap_next"),
         "heatmap_width": heatmap.get("step_width", 1),
+        "resumes": resumes_in(data["events"]),
     }
 
 
@@ -309,6 +322,9 @@ def update_run_data(
         if whole:
             new_rows = client.layer_matrix(run_id, stat)
         events = client.events(run_id)
+        if resumes_in([event.to_json() for event in events]) != cursor.get("resumes", 0):
+            # Resumed from a plan: the stored tail after its checkpoint is abandoned.
+            return _replaced(fetch_run_data(client, run_id, stat))
         alerts = client.alerts(run_id)
         advice = client.restart_candidates(run_id)
     except RunNotFound:
@@ -580,13 +596,18 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     else:
         checkpoints = {e.step: "" for e in events if e.kind == "checkpoint" and e.step is not None}
     run = RunSummary.from_json(data["run"])
+    abandoned = [AbandonedTail.from_json(t) for t in data.get("abandoned") or []]
     return (
         run_header(run),
         step_figures.loss_scale_figure(
-            steps, checkpoints=checkpoints, alerts=alerts or (), x_range=x_range
+            steps,
+            checkpoints=checkpoints,
+            alerts=alerts or (),
+            abandoned=abandoned,
+            x_range=x_range,
         ),
         step_figures.skip_rate_figure(steps, x_range=x_range),
-        step_figures.grad_norm_figure(steps, x_range=x_range),
+        step_figures.grad_norm_figure(steps, abandoned=abandoned, x_range=x_range),
         step_figures.activation_norm_figure(steps, x_range=x_range),
         heatmap_figures.layer_heatmap(LayerMatrix.from_json(source["heatmap"]), x_range=x_range),
         alert_figures.alerts_timeline_figure(

@@ -13,6 +13,7 @@ chart cannot disagree with the rule, and no second baseline exists to drift from
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -36,8 +37,14 @@ def judged_fields(rule: rules.ActivationNormSpike) -> tuple[str, ...]:
     >>> judged_fields(rules.ActivationNormSpike())[0]
     'act_prenorm_mean'
     """
-    other = "act_norm_max" if rule.signal == "act_norm_mean" else "act_norm_mean"
-    names = (rule.signal, other)
+    return _fields_of(rule.signal)
+
+
+@functools.cache
+def _fields_of(signal: str) -> tuple[str, ...]:
+    """`judged_fields` of a signal, built once (it was asked for at every step)."""
+    other = "act_norm_max" if signal == "act_norm_mean" else "act_norm_mean"
+    names = (signal, other)
     return (*(n.replace("act_norm", "act_prenorm") for n in names), *names)
 
 

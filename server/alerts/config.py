@@ -20,7 +20,6 @@ merging layers can never produce an invalid setting.
 from __future__ import annotations
 
 import functools
-import os
 import sys
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -130,7 +129,10 @@ def file_rules(session: Session) -> FileRules:
     configured = session.info.get(FILE_RULES_KEY)
     if isinstance(configured, FileRules):
         return configured
-    return _file_from_env(os.environ.get("AMPWATCH_ALERTS_FILE", ""))
+    from ampwatch.server.settings import Settings  # the collector's one reader of AMPWATCH_*
+
+    path = Settings().alerts_file
+    return _file_from_env("" if path is None else str(path))
 
 
 def effective_settings(

@@ -19,7 +19,8 @@ State (JSON, one row per key):
 
 The rules live by family: `scale` (collapse, floor stall, skip rate, nan_loss's message),
 `activation` (activation_norm_spike), `spikes` (loss / grad-norm spikes, overflow bursts,
-the falling-scale trend), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
+the falling-scale trend), `collapse` (loss_collapse: the loss or grad norm falling off a
+cliff to ~0, against the spike rules' baselines), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
 against the recipe the run_start declares). This module walks a
 batch's steps in order and calls them. A new scalar rule: a settings class in `rules.py`,
 a function in its family's module called from `_evaluate_steps`, a README row.
@@ -28,8 +29,9 @@ Records at or before the state's last step (a retried or late batch) are ignored
 rolling state, so they can never corrupt a window or a baseline; they are still stored.
 A sharded run's grad norm is combined from every rank's part by ingest before this runs
 (`ampwatch.server.ingest`): the followed rank's records carry it when their batch brings
-the step's last part; a norm completed later, by another rank's batch, is stored but
-`grad_norm_spike` neither judges nor learns it, as for an unmeasured norm.
+the step's last part; a norm completed later, by another rank's batch, comes as
+`late_norms` and `grad_norm_spike` judges it then (`spikes.judge_late_norms`), in step
+order, unless a later step's norm was judged already.
 """
 
 from __future__ import annotations
@@ -44,6 +46,7 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import SCALER_CALIBRATED, decode_float
+from ampwatch.server.alerts import collapse as collapse_rule
 from ampwatch.server.alerts import precursors, rules, spikes
 from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
@@ -78,9 +81,13 @@ PRECURSORS_KEY = "precursors"
 Judged = list[tuple[int, int, float, bool]]
 
 
-def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime) -> Judged:
+def evaluate_batch(
+    session: Session, run: Run, batch: BatchIn, *, now: datetime,
+    late_norms: list[spikes.LateNorm] | None = None,
+) -> Judged:  # fmt: skip
     """Evaluate every rule of `run` on `batch` and move its alerts;
     returns what activation_norm_spike judged, per step, for the chart to draw.
+    `late_norms`: sharded grad norms the batch completed for steps stored earlier.
 
     Call inside the ingest transaction, with the run locked; the caller commits. Runs in a
     SAVEPOINT: should evaluation ever fail, it is logged and undone, and the batch is still
@@ -91,13 +98,15 @@ def evaluate_batch(session: Session, run: Run, batch: BatchIn, *, now: datetime)
     """
     try:
         with session.begin_nested():
-            return _evaluate(session, run, batch, now)
+            return _evaluate(session, run, batch, now, late_norms or [])
     except Exception:
         logger.exception("alert evaluation of run %s failed; its batch is stored", run.id)
         return []
 
 
-def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judged:
+def _evaluate(
+    session: Session, run: Run, batch: BatchIn, now: datetime, late_norms: list[spikes.LateNorm]
+) -> Judged:
     settings = run_settings(session, project=run.project, run_id=run.id)
     rows = {
         row.key: row
@@ -126,6 +135,10 @@ def _evaluate(session: Session, run: Run, batch: BatchIn, now: datetime) -> Judg
     samples = LayerSamples(tracker, steps_state, layers_state, batch.layer_stats, settings)
     samples.precursors = early
     guard = RuleGuard(run.id)
+    if late_norms:  # earlier steps than the batch's own: judged first
+        guard("grad_norm_spike", None, spikes.judge_late_norms, tracker, steps_state.recent,
+              late_norms, steps_state.rank, settings["grad_norm_spike"],
+              calibrating=steps_state.calibrating)  # fmt: skip
     judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard, early)
     guard("layer rules", None, samples.judge_until, None)
     tracker.finish(steps_state.last_step)
@@ -264,6 +277,7 @@ def _evaluate_steps(
     loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
     norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
     burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
+    fell: rules.LossCollapse = settings["loss_collapse"]  # type: ignore[assignment]
     d = state
     recent = d.recent
     width = spikes.window_width(settings)
@@ -273,10 +287,10 @@ def _evaluate_steps(
     # What the spike rules learn from each step, and each step's baseline before it.
     losses = [decode_float(record.loss) if record.loss is not None else None for record in steps]
     learned_losses, learned_norms, loss_baselines, norm_baselines = [], [], [], []
-    if loss_rule.enabled:
+    if loss_rule.enabled or fell.enabled:  # loss_collapse judges against the same medians
         learned_losses = [spikes.learned(loss, r.skipped) for loss, r in zip(losses, steps)]
         loss_baselines = spikes.baselines(recent.losses, learned_losses, loss_rule)
-    if norm_rule.enabled:
+    if norm_rule.enabled or fell.enabled:
         learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
         norm_baselines = spikes.baselines(recent.grad_norms, learned_norms, norm_rule)
     judged: Judged = []
@@ -358,9 +372,15 @@ def _evaluate_steps(
                       loss_baselines[i], loss_rule,
                       onset=spikes.covered_from(recent.loss_step, s))  # fmt: skip
             recent.loss_step = s
-        if norm_rule.enabled and not d.calibrating and (norm := learned_norms[i]) is not None:
-            guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
-                  "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
+        if norm_rule.enabled and (norm := learned_norms[i]) is not None:
+            if not d.calibrating:
+                guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
+                      "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
+            recent.norm_step = s
+        if fell.enabled:
+            guard("loss_collapse", s, collapse_rule.judge, tracker, d.collapse, s,
+                  learned_losses[i], loss_baselines[i], learned_norms[i], norm_baselines[i],
+                  fell)  # fmt: skip
         if nan_loss.enabled and loss is not None:
             if nan:
                 d.nan_since = d.nan_since if d.nan_since is not None else s
@@ -381,8 +401,8 @@ def _evaluate_steps(
 
     if spike.enabled:
         d.act = remember(d.act, values, spike.baseline_steps)
-    if loss_rule.enabled:
+    if loss_rule.enabled or fell.enabled:
         recent.losses = remember(recent.losses, learned_losses, loss_rule.baseline_samples)
-    if norm_rule.enabled:
+    if norm_rule.enabled or fell.enabled:
         recent.grad_norms = remember(recent.grad_norms, learned_norms, norm_rule.baseline_samples)
     return judged

@@ -39,7 +39,7 @@ from sqlalchemy import delete, select, update
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import dumps
-from ampwatch.server import outbox
+from ampwatch.server import outbox, run_version
 from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER, RuleSettings
 from ampwatch.server.models import Alert, Run, Severity
 
@@ -350,6 +350,7 @@ class Tracker:
         health = health_of(self.open.values())
         if self.run.health != health:
             self.run.health = health  # type: ignore[assignment]
+            run_version.bump(self.run)  # the sweep changes it outside any ingest
 
     def _apply_detail(self, key: Key, alert: Alert) -> None:
         detail = self._details.pop(key, None)

@@ -467,6 +467,35 @@ class FlushTrend(RuleSettings):
     )  # fmt: skip
 
 
+class LossCollapse(RuleSettings):
+    """`loss_collapse` (`alerts.collapse`): judged against loss_spike's and
+    grad_norm_spike's rolling medians (their baseline_samples)."""
+
+    for_steps: int = _for_steps(
+        1,
+        "Steps of training the collapse must cover (from the first step its first collapsed "
+        "value stands for) before the alert fires: a per-step log fires at its second "
+        "collapsed step, a line printed every 10 steps at once.",
+    )
+    resolve_steps: int = _resolve_steps(100)
+    orders: float = Field(
+        default=3.0,
+        gt=0,
+        le=300,
+        description="Fire when the loss (or the grad norm of an applied step) falls to "
+        "10^-this times its rolling median or below, 0 included: OLMo #692's cross-entropy "
+        "fell 12.18 -> 1.8e-06 -> 0.0 and its grad norm 231.7 -> 0.0002 in one step each.",
+    )
+    converging_orders: float = Field(
+        default=1.0,
+        ge=0,
+        le=300,
+        description="...in one log interval: the value logged before it was still within "
+        "10^this of the median. A run converging to a small loss gets there a few times "
+        "lower per interval, its median following it down.",
+    )
+
+
 class OverflowBurst(RuleSettings):
     for_steps: int = _for_steps(0)
     resolve_steps: int = _resolve_steps(100)
@@ -511,6 +540,7 @@ RuleName = Literal[
     "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
     "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst", "fp8_risk",
     "update_rms_rise", "scale_decline", "flush_trend",
+    "loss_collapse",
 ]  # fmt: skip
 
 
@@ -596,6 +626,13 @@ RULES: dict[str, Rule] = {
             "median or more: the spike that comes before a loss spike.",
         ),
         Rule(
+            "loss_collapse", "warning", "run", LossCollapse,
+            "The loss, or the global grad norm of an applied step, fell to 10^-orders times "
+            "its rolling median or below (0 included) in one log interval and stays there: "
+            "the run no longer learns (OLMo #692: cross-entropy 12.18 -> 0.0). Critical when "
+            "both collapsed.",
+        ),
+        Rule(
             "overflow_burst", "critical", "run", OverflowBurst,
             "min_skips steps skipped within window_steps after warm-up calibration, at any "
             "scale: an overflow storm (a resumed process's included).",
@@ -628,7 +665,7 @@ RULES: dict[str, Rule] = {
     )
 }  # fmt: skip
 
-#: Agent finding codes (wire FINDING_CODES) that raise a rule. `bf16_in_use` and
+#: Agent finding codes (a `finding` event's `code`) that raise a rule. `bf16_in_use` and
 #: `fp8_in_use` are facts, not faults: they stay events, shown on the run page.
 FINDING_RULES: dict[str, str] = {
     "fp16_params_without_scaler": "fp16_without_scaler",

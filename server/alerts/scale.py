@@ -196,9 +196,8 @@ def skip_rate(tracker: Tracker, d: StepState, s: int, skipped: bool, rule: rules
     if skipped:
         skips.append(s)
     first = s - rule.window_steps + 1
-    cut = bisect.bisect_left(skips, first)
-    if cut:
-        del skips[:cut]
+    if skips and skips[0] < first:  # (most steps have none to drop)
+        del skips[: bisect.bisect_left(skips, first)]
     assert d.counted_from is not None  # set as calibration ends, before the first count
     counted = s - max(d.counted_from, first) + 1
     if counted < rule.min_steps:

@@ -24,12 +24,12 @@ from __future__ import annotations
 import bisect
 import math
 from dataclasses import asdict, dataclass, field
-from typing import Any
+from typing import Any, NamedTuple
 
 from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import ratio, times
-from ampwatch.server.baselines import Baseline, rolling_baselines
+from ampwatch.server.baselines import Baseline, remember, rolling_baselines
 
 
 @dataclass
@@ -43,13 +43,16 @@ class RecentState:
     #: The step of the last learned loss: the next logged loss stands for the steps since
     #: (loss_spike's onset, `covered_from`).
     loss_step: int | None = None
+    #: The step of the last grad norm judged (or learned): a sharded norm completed later
+    #: is judged only past it, so the baseline learns in step order (`judge_late_norms`).
+    norm_step: int | None = None
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> RecentState:
         data = data or {}
         return cls(losses=list(data.get("losses", [])), grad_norms=list(data.get("grad_norms", [])),
                    window=[list(w) for w in data.get("window", [])],
-                   loss_step=data.get("loss_step"))  # fmt: skip
+                   loss_step=data.get("loss_step"), norm_step=data.get("norm_step"))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
@@ -108,9 +111,9 @@ def window_width(settings: dict[str, rules.RuleSettings]) -> int:
     return int(max(collapse.trend_steps, burst.window_steps))
 
 
-@dataclass(frozen=True)
-class Spike:
-    """A value judged against the median of its baseline."""
+class Spike(NamedTuple):
+    """A value judged against the median of its baseline (a tuple: one is built per judged
+    value, and a frozen dataclass's construction was a tenth of the spike rules' cost)."""
 
     value: float
     median: float
@@ -196,6 +199,32 @@ def judge(
         tracker.clear(name, s)
 
 
+#: A sharded step's grad norm that a later batch completed: (rank, step, norm, skipped).
+LateNorm = tuple[int, int, float, bool]
+
+
+def judge_late_norms(
+    tracker: Tracker, state: RecentState, late: list[LateNorm], rank: int | None,
+    rule: rules.GradNormSpike, *, calibrating: bool,
+) -> None:  # fmt: skip
+    """Judge and learn the followed `rank`'s grad norms that ingest combined after the
+    engine had read their steps (the last part of a sharded step came with another rank's
+    later batch, `ampwatch.server.ingest`), in step order, as `_evaluate_steps` judges a
+    norm its record carried. Only steps past the last judged norm (`norm_step`): a
+    baseline learns in step order, so a norm completed after later ones were judged is
+    stored but not judged. Calibration is the run's as of this batch."""
+    fresh = sorted((s, n, k) for r, s, n, k in late
+                   if r == rank and (state.norm_step is None or s > state.norm_step))  # fmt: skip
+    if not rule.enabled or not fresh:
+        return
+    values = [learned(norm, skipped) for _, norm, skipped in fresh]
+    for (s, _, _), value, baseline in zip(fresh, values, baselines(state.grad_norms, values, rule)):
+        if value is not None and not calibrating:
+            judge(tracker, "grad_norm_spike", "global grad norm", s, value, baseline, rule)
+    state.grad_norms = remember(state.grad_norms, values, rule.baseline_samples)
+    state.norm_step = fresh[-1][0]
+
+
 def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
@@ -223,10 +252,11 @@ def overflow_burst(
     between two overflows shows that one halving cured the first (DeepSpeed-Chat's healthy
     reward-model run skips 483, 486 and 487, then finishes); a run of them shows the
     gradients outgrowing each halving (tr8b-104B, chinese-llama)."""
-    skips = state.skipped_within(s, rule.window_steps)
     run = state.skipped_run(s, rule.window_steps)
     if not tracker.is_open("overflow_burst") and len(run) < rule.min_skips:
         skips = []  # not yet a storm: the skips so far were each cured by a halving
+    else:  # (counted only then: every step of a run asked for it, a tenth of its judging)
+        skips = state.skipped_within(s, rule.window_steps)
     if len(skips) < rule.min_skips:
         tracker.clear("overflow_burst", s)
         return

@@ -18,6 +18,7 @@ import copy
 from dataclasses import dataclass, field, fields
 from typing import Any
 
+from ampwatch.server.alerts.collapse import CollapseState
 from ampwatch.server.alerts.spikes import RecentState
 
 
@@ -81,6 +82,8 @@ class StepState:
     incident_skips: int = 0
     incident_skips_from: int | None = None
     recent: RecentState = field(default_factory=RecentState)
+    #: loss_collapse's state (`collapse.CollapseState`).
+    collapse: CollapseState = field(default_factory=CollapseState)
     #: The process trains FP16 without a loss scaler (the agent's finding): its FP16
     #: underflow forecast (at S = 1) is its own risk.
     fp16_without_scaler: bool = False
@@ -96,14 +99,16 @@ class StepState:
     def from_json(cls, data: dict[str, Any] | None) -> StepState:
         data = copy.deepcopy(data) if data else {}
         names = {f.name for f in fields(cls)}
-        values = {k: v for k, v in data.items() if k in names and k != "recent"}
+        values = {k: v for k, v in data.items() if k in names and k not in _NESTED}
         state = cls(**values)
         state.recent = RecentState.from_json(data.get("recent"))
+        state.collapse = CollapseState.from_json(data.get("collapse"))
         return state
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name != "recent"}
+        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NESTED}
         out["recent"] = self.recent.to_json()
+        out["collapse"] = self.collapse.to_json()
         return copy.deepcopy(out)
 
     def reset_process(self) -> None:
@@ -120,5 +125,7 @@ class StepState:
         self.rank = rank
 
 
+#: Fields that are states of their own, serialised by their own class.
+_NESTED = frozenset({"recent", "collapse"})
 _RUN_FIELDS = frozenset({"rank", "clear", "groups", "last_step", "act", "last_skip", "scale_seen",
                          "fp8_recipe"})  # fmt: skip

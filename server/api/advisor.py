@@ -28,23 +28,39 @@ MarginSteps = Annotated[
 ]
 
 
+#: `?healthy_loss_scale=`: the lowest healthy loss scale a checkpoint may have.
+HealthyLossScale = Annotated[
+    float | None,
+    Query(
+        gt=0,
+        allow_inf_nan=False,
+        description="Lowest healthy loss scale (default: the run's effective "
+        "loss_scale_collapse min_scale, 1.0 unless configured).",
+    ),
+]
+
+
 @router.get("/{run_id}/restart-candidates")
 def get_restart_candidates(
     run_id: RunIdDep,
     session: SessionDep,
     margin_steps: MarginSteps = None,
+    healthy_loss_scale: HealthyLossScale = None,
     min_loss_scale: Annotated[
         float | None,
         Query(
             gt=0,
             allow_inf_nan=False,
-            description="Lowest healthy loss scale (default: the run's effective "
-            "loss_scale_collapse min_scale, 1.0 unless configured).",
+            deprecated=True,
+            description="The old name of healthy_loss_scale, still accepted (that one "
+            "wins when both are given): `min_loss_scale` is the scaler's floor elsewhere "
+            "(watch(), run_start).",
         ),
     ] = None,
 ) -> RestartCandidates:
     """The run's checkpoints ranked for a restart, each with the reasons for its verdict;
     `recommended` is the latest healthy one (null when none is)."""
-    overrides = {} if min_loss_scale is None else {"min_loss_scale": min_loss_scale}
+    healthy = min_loss_scale if healthy_loss_scale is None else healthy_loss_scale
+    overrides = {} if healthy is None else {"healthy_loss_scale": healthy}
     config = run_config(session, run_id, **overrides)
     return restart_candidates(session, run_id, config=config, margin_steps=margin_steps)

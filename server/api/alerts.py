@@ -15,6 +15,7 @@ from fastapi import APIRouter, FastAPI, HTTPException, Query
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
+from ampwatch.server import run_version
 from ampwatch.server.alerts import RULES, AlertConfigError, load_file, validate_overrides
 from ampwatch.server.alerts.config import (
     FILE_RULES_KEY,
@@ -219,6 +220,8 @@ def _store(
             set_={"rules": statement.excluded.rules, "updated_at": statement.excluded.updated_at},
         )
     )
+    # The step series carries the rule lines these overrides move.
+    run_version.bump_where(session, Run.project == project if project else Run.id == run_id)
     session.commit()
 
 

@@ -10,17 +10,19 @@ from typing import Annotated, Any, cast
 from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
+from ampwatch.server.api import conditional
 from ampwatch.server.auth import (
     ACCESS_EXTRA,
     Principal,
     required_access,
     resolve_principal,
-    run_project,
 )
 from ampwatch.server.errors import StrictJSONRequest
+from ampwatch.server.models import Run
 from ampwatch.server.schemas.errors import ErrorPublic
 from ampwatch.server.schemas.wire import MAX_INT
 from ampwatch.server.settings import Settings
@@ -87,7 +89,13 @@ class SessionRoute(APIRoute):
 
         async def caller_first(request: Request) -> Response:
             request.scope[_PRINCIPAL_KEY] = await run_in_threadpool(resolve_caller, request)
-            return await handler(StrictJSONRequest(request.scope, request.receive))
+            try:
+                response = await handler(StrictJSONRequest(request.scope, request.receive))
+            except conditional.NotModified as unchanged:  # from `RunReadDep`
+                return conditional.not_modified(unchanged)
+            except conditional.Kept as kept:  # from `RunReadDep`
+                return conditional.kept_response(kept)
+            return conditional.tag_response(request, response)
 
         return caller_first
 
@@ -152,15 +160,31 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 def existing_run_id(run_id: int, request: Request, principal: PrincipalDep) -> int:
     """The path's run id: 404 when no such run exists (ids beyond INTEGER included), 403
-    when it belongs to a project the caller's token is not for."""
-    project = None
+    when it belongs to a project the caller's token is not for. Its change counter comes
+    with it, for `RunReadDep`."""
+    row = None
     if 1 <= run_id <= MAX_INT:
         with request.app.state.sessionmaker() as session:
-            project = run_project(session, run_id)
-    if project is None:
+            row = session.execute(
+                select(Run.project, Run.created_at, Run.version).where(Run.id == run_id)
+            ).first()
+    if row is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
-    principal.check_project(project)
+    principal.check_project(row.project)
+    request.scope[conditional.RUN_VERSION_KEY] = (row.created_at, row.version)
     return run_id
 
 
 RunIdDep = Annotated[int, Depends(existing_run_id)]
+
+
+def unchanged_run(run_id: RunIdDep, request: Request) -> int:
+    """The path's run id, as `RunIdDep`; a 304 when the caller holds the answer's tag
+    (`conditional.check_run`), else the answer carries it."""
+    conditional.check_run(request, run_id)
+    return run_id
+
+
+#: The run id of a route whose answer changes only with the run's change counter
+#: (`ampwatch.server.run_version`): tagged, and a 304 when unchanged (`conditional`).
+RunReadDep = Annotated[int, Depends(unchanged_run)]

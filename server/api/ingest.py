@@ -15,11 +15,12 @@ import orjson
 from fastapi import APIRouter, Depends, HTTPException, Request
 from pydantic import BaseModel, ValidationError
 
-from ampwatch.agent.wire import INGEST_PATH
+from ampwatch.agent.wire import API_PREFIX, INGEST_PATH
 from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
 from ampwatch.server.auth import project_for_new_data
 from ampwatch.server.errors import validation_detail
 from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.outbox import QUEUED_KEY
 from ampwatch.server.schemas.errors import ErrorPublic
 from ampwatch.server.schemas.runs import IngestAck
 from ampwatch.server.schemas.wire import BatchIn
@@ -99,7 +100,7 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
 
 
 @router.post(
-    INGEST_PATH.removeprefix("/api/v1"),
+    INGEST_PATH.removeprefix(API_PREFIX),
     response_model=IngestAck,
     responses={**NOT_YOURS, **BODY_ERRORS},
 )
@@ -122,4 +123,7 @@ def ingest(
     batch.run.project = project_for_new_data(principal, named)
     ack = ingest_batch(session, batch)
     request.app.state.ingest_counters.record_batch(batch, duplicate=ack.duplicate)
+    delivery = getattr(request.app.state, "delivery", None)  # None: no lifespan (tests)
+    if session.info.pop(QUEUED_KEY, False) and delivery is not None:
+        delivery.wake()  # the alert leaves now, not at the worker's next round
     return ack

@@ -18,12 +18,14 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
-from ampwatch.server import history, queries, series
-from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server import full_layers, history, queries, rollback, series
+from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, RunReadDep, SessionDep, SessionRoute
 from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
+    AbandonedTails,
     CheckpointsPublic,
     EventsPublic,
+    FullLayers,
     LayerHistograms,
     LayerMatrix,
     LayerSeries,
@@ -90,7 +92,7 @@ def _layer_idx(session: Session, run_id: int, layer: str, stat: str = LAYER_STAT
 
 @router.get("/{run_id}/steps", response_model=StepSeries)
 def get_steps(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     session: SessionDep,
     rank: RankQuery = 0,
     start: StartQuery = None,
@@ -104,9 +106,16 @@ def get_steps(
     return _json(answer)
 
 
+@router.get("/{run_id}/abandoned-steps", response_model=AbandonedTails)
+def get_abandoned_steps(run_id: RunIdDep, session: SessionDep, rank: RankQuery = 0) -> Response:
+    """One rank's steps that resumes abandoned (`watch(resume_from=plan)`): per resume, the
+    steps recorded after the plan's checkpoint before the resume, for the rollback view."""
+    return _json(rollback.abandoned_tails(session, run_id, rank))
+
+
 @router.get("/{run_id}/layers", response_model=LayerMatrix)
 def get_layers(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     session: SessionDep,
     stat: StatQuery = LAYER_STATS[0],
     rank: RankQuery = 0,
@@ -134,9 +143,29 @@ def get_layers(
     )
 
 
+@router.get("/{run_id}/layers/full", response_model=FullLayers)
+def get_full_layers(
+    run_id: RunIdDep,
+    session: SessionDep,
+    step: Annotated[
+        int | None,
+        Query(ge=0, le=MAX_BIGINT, description="A sampled step; the latest one by default."),
+    ] = None,
+) -> Response:
+    """Every layer's gradient figures of the full tensor at one sampled step, combined
+    over the ranks' shard records (`ampwatch.server.full_layers` says which are exact)."""
+    if step is None:
+        step = full_layers.latest_sampled_step(session, run_id)
+    answer = None if step is None else full_layers.full_layer_stats(session, run_id, step)
+    if answer is None:
+        where = "" if step is None else f" at step {step}"
+        raise HTTPException(status_code=404, detail=f"run {run_id} has no layer statistics{where}")
+    return _json(answer)
+
+
 @router.get("/{run_id}/layers/{layer:path}/series", response_model=LayerSeries)
 def get_layer_series(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     layer: str,
     session: SessionDep,
     stat: StatQuery = LAYER_STATS[0],
@@ -163,7 +192,7 @@ def get_layer_series(
 
 @router.get("/{run_id}/layers/{layer:path}/histograms", response_model=LayerHistograms)
 def get_layer_histograms(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     layer: str,
     session: SessionDep,
     rank: RankQuery = 0,
@@ -194,12 +223,12 @@ def get_layer_histograms(
 
 
 @router.get("/{run_id}/events")
-def get_events(run_id: RunIdDep, session: SessionDep) -> EventsPublic:
+def get_events(run_id: RunReadDep, session: SessionDep) -> EventsPublic:
     """A run's events in time order."""
     return queries.run_events(session, run_id)
 
 
 @router.get("/{run_id}/checkpoints")
-def get_checkpoints(run_id: RunIdDep, session: SessionDep) -> CheckpointsPublic:
+def get_checkpoints(run_id: RunReadDep, session: SessionDep) -> CheckpointsPublic:
     """The checkpoints the agent reported, in time order (the restart advisor's candidates)."""
     return history.run_checkpoints(session, run_id)

@@ -4,16 +4,18 @@ from __future__ import annotations
 
 from typing import Annotated
 
-from fastapi import APIRouter, HTTPException, Query, Response
+from fastapi import APIRouter, HTTPException, Query, Request, Response
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import MAX_NAME_LENGTH
 from ampwatch.server import lifecycle, queries
+from ampwatch.server.api import conditional
 from ampwatch.server.api.deps import (
     NOT_YOURS,
     RUN_ERRORS,
     PrincipalDep,
     RunIdDep,
+    RunReadDep,
     SessionDep,
     SessionRoute,
 )
@@ -28,8 +30,9 @@ DEFAULT_PAGE = 100
 MAX_PAGE = 1000
 
 
-@router.get("", responses=NOT_YOURS)
+@router.get("", response_model=RunsPublic, responses=NOT_YOURS)
 def list_runs(
+    request: Request,
     session: SessionDep,
     principal: PrincipalDep,
     project: Annotated[
@@ -44,15 +47,16 @@ def list_runs(
     ] = None,
     limit: Annotated[int, Query(ge=1, le=MAX_PAGE, description="Page size.")] = DEFAULT_PAGE,
     offset: Annotated[int, Query(ge=0, le=MAX_INT, description="Runs to skip.")] = 0,
-) -> RunsPublic:
+) -> Response:
     """Runs newest first, filtered, one page at a time (limit/offset, with the total).
 
     Offset paging, not cursors: a runs list is short (thousands of rows), and people jump
-    to page N. A project token lists only its project's runs.
+    to page N. A project token lists only its project's runs. The answer is tagged with
+    its digest: a poll of an unchanged list is a 304 with no body (`conditional`).
     """
     if project is not None:
         principal.check_project(project)
-    return queries.list_runs(
+    page = queries.list_runs(
         session,
         project=principal.project or project,
         status=status,
@@ -61,6 +65,7 @@ def list_runs(
         limit=limit,
         offset=offset,
     )
+    return conditional.digest_tag(request, page.model_dump_json().encode())
 
 
 @router.post(
@@ -86,7 +91,7 @@ def create_run(
 
 
 @router.get("/{run_id}", responses=RUN_ERRORS)
-def get_run(run_id: RunIdDep, session: SessionDep) -> RunPublic:
+def get_run(run_id: RunReadDep, session: SessionDep) -> RunPublic:
     return _read_run(session, run_id)
 
 

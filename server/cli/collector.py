@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import sys
 
+from ampwatch.agent.wire import DASHBOARD_PREFIX
 from ampwatch.server.cli.options import settings_from
 
 
@@ -66,7 +67,9 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
     settings = settings_from(args)
     dashboard = (
-        f"dashboard {settings.public_url}/dashboard/" if settings.dashboard else ("no dashboard")
+        f"dashboard {settings.public_url}{DASHBOARD_PREFIX}/"
+        if settings.dashboard
+        else ("no dashboard")
     )
     # The URL's password (PostgreSQL) stays out of the logs.
     database = make_url(settings.database_url).render_as_string(hide_password=True)
@@ -98,9 +101,9 @@ def cmd_demo(args: argparse.Namespace) -> int:
     else:
         print(f"Starting the collector at {url} (database {settings.database_url})")
         collector = BackgroundCollector(settings).start()
-    print(f"Dashboard: {url}/dashboard/", flush=True)
+    print(f"Dashboard: {url}{DASHBOARD_PREFIX}/", flush=True)
     run_demo(url, steps=args.steps)
-    print(f"\nDemo runs are in. Dashboard: {url}/dashboard/", flush=True)
+    print(f"\nDemo runs are in. Dashboard: {url}{DASHBOARD_PREFIX}/", flush=True)
     if collector is not None:
         if args.exit:
             collector.stop()

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import sys
 from typing import TYPE_CHECKING, Any
 
@@ -61,12 +60,14 @@ def _api(args: argparse.Namespace) -> httpx.Client:
     (AMPWATCH_TOKEN) when given."""
     import httpx
 
+    from ampwatch.agent.config import from_environment
+    from ampwatch.agent.wire import API_PREFIX
     from ampwatch.server.settings import Settings
 
-    url = args.url or os.environ.get("AMPWATCH_URL") or Settings().public_url
-    token = args.token or os.environ.get("AMPWATCH_TOKEN")
+    url = args.url or from_environment("URL") or Settings().public_url
+    token = args.token or from_environment("TOKEN")
     headers = {"Authorization": f"Bearer {token}"} if token else {}
-    return httpx.Client(base_url=f"{url.rstrip('/')}/api/v1", headers=headers, timeout=30.0)
+    return httpx.Client(base_url=url.rstrip("/") + API_PREFIX, headers=headers, timeout=30.0)
 
 
 def _call(api: httpx.Client, method: str, path: str, **kwargs: object) -> httpx.Response:

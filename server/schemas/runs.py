@@ -116,6 +116,28 @@ class ScaleRuleLines(BaseModel):
     floor_headroom_scale: float | None = None
 
 
+class AbandonedTail(BaseModel):
+    """The steps one resume abandoned (recorded after `from_step`, the plan's checkpoint,
+    before the run was resumed from it; `ampwatch.server.rollback`), ordered by step;
+    floats in the wire encoding. `branch`: the run's resume it belongs to, from 1."""
+
+    branch: int
+    from_step: int
+    step: list[int]
+    skipped: list[bool]
+    loss: list[WireFloat | None]
+    loss_scale: list[WireFloat | None]
+    grad_norm: list[WireFloat | None]
+
+
+class AbandonedTails(BaseModel):
+    """One rank's abandoned tails, oldest resume first; `left_off`: steps not sent (the
+    answer's bound, `MAX_ABANDONED_STEPS`, keeps the newest resumes')."""
+
+    tails: list[AbandonedTail]
+    left_off: int = 0
+
+
 class RuleLines(BaseModel):
     """The run's rule lines, resolved as the rule engine resolves its settings (run >
     project > alerts file > default: `ampwatch.server.alerts.config`), for the charts."""
@@ -204,6 +226,40 @@ class LayerHistograms(BaseModel):
     #: The loss scale in effect at each histogram's step (the step record's, exact): the
     #: gradients were measured scaled by it. Null where no step record was stored.
     loss_scale: list[WireFloat | None] = []
+
+
+class FullLayer(BaseModel):
+    """One parameter's gradient figures over the whole tensor (`ampwatch.server.full_layers`).
+    null: not measured (no histogram gives the shard sizes, or no rank sent it)."""
+
+    layer: str
+    #: Ranks whose record of this layer was combined.
+    ranks: int
+    numel: int | None
+    zero_count: int | None
+    zero_fraction: WireFloat | None
+    subnormal_fraction: WireFloat | None
+    flush_fraction: WireFloat | None
+    max_abs_scaled: WireFloat | None
+    #: The exponent histogram of the whole gradient: counts[j] elements with float32
+    #: exponent field first_bin + j (wire `EXPONENT_HISTOGRAM_BINS`).
+    first_bin: int | None
+    counts: list[int] | None
+
+
+class FullLayers(BaseModel):
+    """A step's per-layer figures of the full gradients, combined over the ranks."""
+
+    run_id: int
+    step: int
+    #: `run_start`'s sharding: "fsdp1", "fsdp2", or null (every rank the whole gradient).
+    sharding: str | None
+    #: "shards": the ranks' records added up; "replicated": the lowest rank's, as is.
+    combined: str
+    world_size: int | None
+    replicas: int
+    ranks: list[int]
+    layers: list[FullLayer]
 
 
 class CheckpointPublic(BaseModel):

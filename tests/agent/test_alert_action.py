@@ -6,6 +6,8 @@ it trains on healthy past the old failure point (`ampwatch.agent.policy`,
 
 from __future__ import annotations
 
+import contextlib
+import io
 import json
 import logging
 import math
@@ -223,6 +225,20 @@ class Story:
     diverged: Trained
     plan: dict[str, Any]
     resumed: Trained
+    #: `ampwatch resume-plan RUN --json` / without `--json`, and the skip_batches.json
+    #: written, before the relaunch (the plan a relaunch script reads).
+    cli_json: str = ""
+    cli_words: str = ""
+    cli_skip_file: str = ""
+
+
+def _cli(*argv: str) -> tuple[int, str]:
+    from ampwatch.server import cli
+
+    out = io.StringIO()
+    with contextlib.redirect_stdout(out):
+        code = cli.main(list(argv))
+    return code, out.getvalue()
 
 
 @pytest.fixture(scope="module")
@@ -241,13 +257,21 @@ def story(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Story]:
         run_id = api.get("/runs").json()["runs"][0]["id"]
         plan = api.get(f"/runs/{run_id}/resume-plan").json()
         (folder / "plan.json").write_text(json.dumps(plan))
+        run, skip_file = diverged.handle.client_run_id, folder / "skip_batches.json"
+        as_json = _cli("resume-plan", run, "--url", collector.url, "--json",
+                       "--skip-batches", str(skip_file))  # fmt: skip
+        as_words = _cli("resume-plan", run, "--url", collector.url)
+        assert as_json[0] == as_words[0] == 0
         resumed_plan = load_resume_plan(folder / "plan.json")
         constant = float(resumed_plan.advice["lr"])
         resumed = train(
             collector.url, folder, steps=diverged.last_step + 20, lr=lambda step: constant,
             plan=resumed_plan,
         )  # fmt: skip
-        yield Story(collector.url, api, run_id, diverged, plan, resumed)
+        yield Story(
+            collector.url, api, run_id, diverged, plan, resumed,
+            as_json[1], as_words[1], skip_file.read_text(),
+        )  # fmt: skip
 
 
 def test_a_diverging_fp16_run_stops_after_a_final_checkpoint(story: Story) -> None:
@@ -302,6 +326,16 @@ def test_relaunching_from_the_plan_trains_healthy_past_the_old_failure(story: St
     events = story.api.get(f"/runs/{story.run_id}/events").json()["events"]
     resumed = [e for e in events if e["kind"] == "resumed"]
     assert [e["data"]["from_step"] for e in resumed] == [story.plan["checkpoint"]["step"]]
+
+
+def test_a_plan_after_the_healthy_relaunch_answers_its_branch(story: Story) -> None:
+    """The first incident belongs to the abandoned branch: a plan made after the relaunch
+    finds no incident in the live branch and names its latest checkpoint, not one before
+    the first incident's onset."""
+    plan = story.api.get(f"/runs/{story.run_id}/resume-plan").json()
+    assert plan["onset_step"] is None and plan["skip"] is None
+    assert plan["checkpoint"]["step"] == max(story.resumed.checkpoints)
+    assert plan["checkpoint"]["step"] > story.diverged.last_step
 
 
 def test_a_healthy_run_with_the_policy_on_never_stops(tmp_path: Path, sqlite_url: str) -> None:
@@ -387,19 +421,14 @@ def test_offline_mode_says_once_that_no_alert_can_come_back(
 
 
 def test_the_cli_prints_the_plan_and_writes_skip_batches_json(
-    story: Story, tmp_path: Path, capsys: pytest.CaptureFixture[str]
+    story: Story, capsys: pytest.CaptureFixture[str]
 ) -> None:
     from ampwatch.server import cli
 
-    skip_file = tmp_path / "skip_batches.json"
-    run = story.diverged.handle.client_run_id
-    argv = ["resume-plan", run, "--url", story.url, "--json", "--skip-batches", str(skip_file)]
-    plan = story.api.get(f"/runs/{story.run_id}/resume-plan").json()  # after the resume
-    assert cli.main(argv) == 0
-    assert json.loads(capsys.readouterr().out) == plan
-    assert json.loads(skip_file.read_text()) == plan["skip"]["skip_batches"]
-    assert cli.main(["resume-plan", run, "--url", story.url]) == 0
-    words = capsys.readouterr().out
+    plan = story.plan  # before the relaunch, as the CLI printed it then
+    assert json.loads(story.cli_json) == plan
+    assert json.loads(story.cli_skip_file) == plan["skip"]["skip_batches"]
+    words = story.cli_words
     checkpoint = plan["checkpoint"]
     assert f"checkpoint: step {checkpoint['step']}  {checkpoint['path']}" in words
     assert "set lr = " in words and "epoch 0: batches" in words

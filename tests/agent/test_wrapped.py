@@ -136,17 +136,27 @@ def _clipping_loop(
     return before, after, returned
 
 
+def _two_step_clip(parameters: Any) -> torch.Tensor:
+    """The clip as accelerate >= 1.16 (so the HF Trainer) and torchtitan write it: the norm,
+    then the clip with that norm."""
+    params = list(parameters)
+    total = torch.nn.utils.get_total_norm([p.grad for p in params if p.grad is not None])
+    torch.nn.utils.clip_grads_with_norm_(params, 4.0, total)
+    return total
+
+
+@pytest.mark.parametrize("two_step", [False, True], ids=["clip_grad_norm_", "two-step"])
 @pytest.mark.parametrize("with_scaler", [True, False])
 def test_the_grad_norm_is_the_one_the_loops_clip_returned(
-    with_scaler: bool, collector: FakeCollector
+    with_scaler: bool, two_step: bool, collector: FakeCollector
 ) -> None:
     """Read after clipping, a spike would be stored as the threshold. The norm after the
     clip is stored besides it: the norm of the gradients torch's own clip left, below the
     threshold (coefficient clamped at 1), above it, and on an overflowing step (an Inf
-    gradient: the clip multiplies by 0 and leaves NaN, which the scaler's step skips)."""
-    _, after, norms = _clipping_loop(
-        collector, with_scaler, lambda params: torch.nn.utils.clip_grad_norm_(params, 4.0), True
-    )
+    gradient: the clip multiplies by 0 and leaves NaN, which the scaler's step skips).
+    The same for the clip in two calls (`get_total_norm`, `clip_grads_with_norm_`)."""
+    clip = _two_step_clip if two_step else lambda p: torch.nn.utils.clip_grad_norm_(p, 4.0)
+    _, after, norms = _clipping_loop(collector, with_scaler, clip, True)
     returned = [norm.item() for norm in norms]
     assert collector.column("grad_norm") == returned
     assert returned[2] > 1e3  # the spike is stored as it was, not as the threshold

@@ -165,3 +165,33 @@ def test_run_summary_reads_health_and_skip_rate(run_json: dict[str, Any]) -> Non
     assert (run.health, run.skip_rate) == ("critical", 0.25)
     old_collector = RunSummary.from_json(run_json)  # before the fields existed
     assert (old_collector.health, old_collector.skip_rate) == ("ok", None)
+
+
+def test_a_tagged_answer_is_asked_for_again_with_its_tag_and_a_304_reuses_it(
+    steps_json: dict[str, Any],
+) -> None:
+    """The collector answers an unchanged run's polls with 304 (`server/api/conditional.py`):
+    the client keeps the tagged bytes and decodes them again, for every viewer."""
+    version = {"now": 1}
+    sent: list[str | None] = []
+
+    def answer(request: httpx.Request) -> httpx.Response:
+        sent.append(request.headers.get("if-none-match"))
+        tag = f'"v{version["now"]}"'
+        if request.headers.get("if-none-match") == tag:
+            return httpx.Response(304, headers={"ETag": tag})
+        body = {**steps_json, "step": [s + 100 * version["now"] for s in steps_json["step"]]}
+        return httpx.Response(200, json=body, headers={"ETag": tag})
+
+    client = client_for(httpx.MockTransport(answer))
+    first = client.steps(RUN_ID)
+    first.step.clear()  # a caller may change what it got: the cache keeps bytes
+    again = client.steps(RUN_ID)
+    version["now"] = 2
+    changed = client.steps(RUN_ID)
+    assert sent == [None, '"v1"', '"v1"']
+    assert again.step == [101, 102, 103, 104, 105, 106]
+    assert again.loss[4] is not None and math.isnan(again.loss[4])
+    assert changed.step == [201, 202, 203, 204, 205, 206]
+    assert client.steps(RUN_ID, start=3).step == [201, 202, 203, 204, 205, 206]
+    assert sent[-1] is None  # another URL: another answer

@@ -67,6 +67,14 @@ class Case:
     final_norm: bool = True
     scaler: str | None = None  # "amp", "sharded"
     orig_params: bool = True  # FSDP1
+    #: FSDP1's ShardingStrategy; HYBRID_SHARD on a (1 replica group x 2 ranks) mesh.
+    #: FSDP2: "HSDP" on a (2 replicas x 1 rank) mesh.
+    strategy: str = "FULL_SHARD"
+
+    @property
+    def replicas(self) -> int:
+        """On how many of the 2 ranks each local gradient is held whole and identical."""
+        return 2 if self.wrap == "ddp" or self.strategy in ("NO_SHARD", "HSDP") else 1
 
 
 CASES = (
@@ -75,6 +83,9 @@ CASES = (
     Case("fsdp2_fp16_scaler", "fsdp2", torch.float16, clip=True, scaler="amp"),
     Case("fsdp1_fp16_sharded_scaler", "fsdp1", torch.float16, clip=True, scaler="sharded"),
     Case("fsdp1_bf16_flat", "fsdp1", torch.bfloat16, orig_params=False),  # no clip: parts
+    Case("fsdp1_bf16_no_shard", "fsdp1", torch.bfloat16, strategy="NO_SHARD"),  # parts / 2
+    Case("fsdp1_bf16_hybrid", "fsdp1", torch.bfloat16, strategy="HYBRID_SHARD"),
+    Case("fsdp2_bf16_hsdp", "fsdp2", torch.bfloat16, strategy="HSDP"),  # parts / 2
     Case("ddp_fp16", "ddp", torch.float16, scaler="amp"),
 )
 
@@ -84,20 +95,38 @@ def _wrap(case: Case, model: nn.Module) -> nn.Module:
         from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
         policy = MixedPrecisionPolicy(param_dtype=case.dtype, reduce_dtype=torch.float32)
+        mesh = None
+        if case.strategy == "HSDP":
+            from torch.distributed.device_mesh import init_device_mesh
+
+            mesh = init_device_mesh("cpu", (2, 1), mesh_dim_names=("replicate", "shard"))
         for block in model.blocks:  # type: ignore[union-attr]
-            fully_shard(block, mp_policy=policy)
-        fully_shard(model, mp_policy=policy)
+            fully_shard(block, mesh=mesh, mp_policy=policy)
+        fully_shard(model, mesh=mesh, mp_policy=policy)
         return model
     if case.wrap == "fsdp1":
-        from torch.distributed.fsdp import FullyShardedDataParallel, MixedPrecision
+        from torch.distributed.device_mesh import init_device_mesh
+        from torch.distributed.fsdp import (
+            FullyShardedDataParallel,
+            MixedPrecision,
+            ShardingStrategy,
+        )
         from torch.distributed.fsdp.wrap import ModuleWrapPolicy
 
+        hybrid = case.strategy == "HYBRID_SHARD"
+        mesh = (
+            init_device_mesh("cpu", (1, 2), mesh_dim_names=("replicate", "shard"))
+            if hybrid
+            else None
+        )
         return FullyShardedDataParallel(
             model,
             auto_wrap_policy=ModuleWrapPolicy({Block}),
             mixed_precision=MixedPrecision(param_dtype=case.dtype, reduce_dtype=torch.float32),
             use_orig_params=case.orig_params,
             device_id=torch.device("cpu"),
+            sharding_strategy=getattr(ShardingStrategy, case.strategy),
+            device_mesh=mesh,
         )
     return nn.parallel.DistributedDataParallel(model)
 
@@ -112,19 +141,23 @@ def _full(tensor: torch.Tensor) -> torch.Tensor:
     return full() if callable(full) else tensor
 
 
-def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -> dict[str, Any]:
-    """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g|
-    of the whole gradient, from full tensors (the test's own collectives, on every rank).
+def _grad_truth(
+    case: Case, model: nn.Module, names: list[str], sampled: bool, scale: float
+) -> dict[str, Any]:
+    """The global norm and, on `sampled` steps, per parameter, zero count / numel / max|g| /
+    subnormal and flush counts of |g * scale| (wire `LAYER_STATS`) of the whole gradient,
+    from full tensors (the test's own collectives, on every rank).
     FSDP2 without a clip gathers full tensors every step: the collector's combined norm
     is checked against them."""
     whole = sampled or (case.wrap == "fsdp2" and not case.clip)
     if case.wrap != "ddp" and not (case.orig_params and whole):
         # The squares of every rank's shard, all-reduced by the test (FSDP1 pads the last
-        # shard with zeros, which add nothing); gathering whole tensors is for sampled steps.
+        # shard with zeros, which add nothing; NO_SHARD: every rank's is the whole, counted
+        # once); gathering whole tensors is for sampled steps.
         local = [_local(p.grad).float() for p in model.parameters() if p.grad is not None]
         squares = torch.stack([g.pow(2).sum() for g in local]).sum()
         dist.all_reduce(squares)
-        return {"norm": math.sqrt(float(squares)), "layers": None}
+        return {"norm": math.sqrt(float(squares) / case.replicas), "layers": None}
     if case.wrap == "fsdp1":
         from torch.distributed.fsdp import FullyShardedDataParallel
 
@@ -133,11 +166,17 @@ def _grad_truth(case: Case, model: nn.Module, names: list[str], sampled: bool) -
     else:
         grads = [_full(p.grad).detach().float() for p in model.parameters()]
     norm = float(torch.linalg.vector_norm(torch.stack([g.norm() for g in grads])))
-    layers = {
-        name: [int((g == 0).sum()), g.numel(), float(g.abs().max())]
-        for name, g in zip(names, grads, strict=True)
-    }
+    layers = {name: _counts(g, scale) for name, g in zip(names, grads, strict=True)}
     return {"norm": norm, "layers": layers}
+
+
+def _counts(grad: torch.Tensor, scale: float) -> list[float]:
+    """[zeros, numel, max|g|, subnormal count, flush count] of one whole gradient, the last
+    two of |g * scale| in float64 (FP16's subnormal range [2^-24, 2^-14), below it)."""
+    scaled = grad.double().abs() * scale
+    subnormal = int(((scaled >= 2.0**-24) & (scaled < 2.0**-14)).sum())
+    flush = int(((scaled > 0) & (scaled < 2.0**-24)).sum())
+    return [int((grad == 0).sum()), grad.numel(), float(grad.abs().max()), subnormal, flush]
 
 
 def _train(
@@ -193,12 +232,12 @@ def _train(
         else:
             loss.backward()
         if truth is not None:
-            grads = _grad_truth(case, model, names, (step - 1) % EVERY == 0)
             scale = truth_scale if scaler is not None else 1.0
+            grads = _grad_truth(case, model, names, (step - 1) % EVERY == 0, scale)
             truth["grad_norm"].append(grads["norm"])
             if grads["layers"] is not None and (step - 1) % EVERY == 0:
                 truth["layers"][step] = {
-                    n: [z, c, m * scale] for n, (z, c, m) in grads["layers"].items()
+                    n: [z, c, m * scale, *rest] for n, (z, c, m, *rest) in grads["layers"].items()
                 }
             truth["loss_scale"].append(scale if scaler is not None else None)
         if case.clip:

@@ -15,9 +15,12 @@ import gzip
 import json
 import math
 import os
+from collections.abc import Callable
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import torch.multiprocessing as mp
 from sharded_run import CASES, EVERY, OVERFLOW_STEPS, STEPS, TinyTransformer, run_cases
@@ -141,6 +144,7 @@ def test_sharded_case(matrix: Path, case: Any, sqlite_url: str) -> None:
 
     start = next(e for e in sent[0]["events"] if e["kind"] == "run_start")["data"]
     assert start["sharding"] == (case.wrap if sharded else None)
+    assert start["shard_replicas"] == (case.replicas if sharded else None)
     if sharded:  # the shards are fp32; the wrapper's policy computes in case.dtype
         bf16 = str(case.dtype) == "torch.bfloat16"
         assert start["precision"] == ("bf16" if bf16 else "fp16")
@@ -176,14 +180,15 @@ def _assert_layers_combine(
             record = layers[rank][index]
             stats = record["stats"]
             for i, name in enumerate(record["names"]):
-                numel = full[name][1] if case.wrap == "ddp" else shard_numels[rank][name]
+                whole = case.replicas > 1  # DDP, NO_SHARD: each rank the whole gradient
+                numel = full[name][1] if whole else shard_numels[rank][name]
                 share = stats["zero_fraction"][i] * numel
-                zeros[name] = share if case.wrap == "ddp" else zeros.get(name, 0.0) + share
+                zeros[name] = share if whole else zeros.get(name, 0.0) + share
                 peak = wire.decode_float(stats["max_abs_scaled"][i])
                 assert peak is not None
                 peaks[name] = max(peaks.get(name, -1.0), peak)
         assert set(zeros) == set(full), step
-        for name, (zero, _, peak) in full.items():
+        for name, (zero, _, peak, *_) in full.items():
             assert round(zeros[name]) == zero, (step, name)
             if math.isfinite(peak):
                 assert peaks[name] == pytest.approx(peak, rel=1e-6), (step, name)
@@ -191,9 +196,12 @@ def _assert_layers_combine(
 
 def _shard_numels(case: Any) -> list[dict[str, int]]:
     """Each rank's element count of every parameter: FSDP2 shards dim 0 (torch.chunk); FSDP1
-    flattens each wrapped module's parameters in order and gives rank r the r-th half."""
+    flattens each wrapped module's parameters in order and gives rank r the r-th half;
+    under DDP and NO_SHARD every rank holds the whole."""
     model = TinyTransformer(case.final_norm)
     named = [(n, p.shape) for n, p in model.named_parameters()]
+    if case.replicas > 1:
+        return [{n: math.prod(shape) for n, shape in named}] * 2
     if case.wrap == "fsdp2":
         result: list[dict[str, int]] = [{}, {}]
         for name, shape in named:
@@ -217,3 +225,72 @@ def _shard_numels(case: Any) -> list[dict[str, int]]:
                 result[rank][name] = max(0, min(start + numel, high) - max(start, low))
             start += numel
     return result
+
+
+def _post_all(client: httpx.Client, folder: Path) -> int:
+    """Both ranks' batches, as the agent sent them (gzip), rank 1's first; the run's id."""
+    run_ids = set()
+    for rank in (1, 0):
+        for path in sorted(folder.glob(f"rank{rank}-*")):
+            answer = client.post(
+                wire.INGEST_PATH, content=path.read_bytes(),
+                headers={"Content-Encoding": "gzip", "Content-Type": "application/json"},
+            )  # fmt: skip
+            assert answer.status_code == 200, answer.text
+            run_ids.add(answer.json()["run_id"])
+    (run_id,) = run_ids
+    return int(run_id)
+
+
+def test_full_layer_figures_combine_the_ranks_shards(
+    matrix: Path, db_url: str, start_collector: Callable[..., AbstractContextManager[Any]]
+) -> None:
+    """`GET /runs/{id}/layers/full?step=` adds up the ranks' shard records into the full
+    gradient's figures: numel, zero / subnormal / flush counts and max|g*S| equal those of
+    the full tensors the loop gathered (`.full_tensor()`, `summon_full_params`), on every
+    sampled step of every case with per-parameter names; under DDP, rank 0's record as is."""
+    cases = [c for c in CASES if c.orig_params]
+    with (
+        start_collector(db_url, dashboard=False) as live,
+        httpx.Client(base_url=live.url, timeout=60) as client,
+    ):
+        for case in cases:
+            folder = matrix / case.name
+            truth = json.loads((folder / "truth0.json").read_text())
+            shard_numels = _shard_numels(case)
+            run_id = _post_all(client, folder)
+            for step in range(1, STEPS + 1, EVERY):
+                answer = client.get(f"/api/v1/runs/{run_id}/layers/full", params={"step": step})
+                assert answer.status_code == 200, answer.text
+                got = answer.json()
+                sharded = case.wrap != "ddp"
+                assert got["step"] == step and got["ranks"] == ([0, 1] if sharded else [0])
+                assert got["combined"] == ("shards" if sharded else "replicated")
+                layers = {layer["layer"]: layer for layer in got["layers"]}
+                full = truth["layers"][str(step)]
+                assert set(layers) == set(full), (case.name, step)
+                for name, (zero, numel, peak, subnormal, flush) in full.items():
+                    layer, where = layers[name], (case.name, step, name)
+                    held = sum(n[name] > 0 for n in shard_numels) if sharded else 1
+                    assert layer["ranks"] == held, where  # FSDP1: some whole on one rank
+                    assert layer["numel"] == numel == sum(layer["counts"]), where
+                    assert layer["zero_count"] == zero, where
+                    for stat, count in (
+                        ("subnormal_fraction", subnormal),
+                        ("flush_fraction", flush),
+                    ):
+                        assert round(wire.decode_float(layer[stat]) * numel) == count, where
+                    top = wire.decode_float(layer["max_abs_scaled"])
+                    assert top is not None, where
+                    if math.isfinite(peak):
+                        assert top == pytest.approx(peak, rel=1e-6), where
+                    else:  # an overflow step: NaN where the full tensor has one, else Inf
+                        assert math.isnan(top) == math.isnan(peak) and not math.isfinite(top)
+        # Bounded answers on bad input, naming nothing it was sent.
+        latest = client.get(f"/api/v1/runs/{run_id}/layers/full")
+        assert latest.status_code == 200 and latest.json()["step"] == 5
+        for params, status in (({"step": 2}, 404), ({"step": -1}, 422), ({"step": "x1y"}, 422),
+                               ({"step": 2**70}, 422)):  # fmt: skip
+            answer = client.get(f"/api/v1/runs/{run_id}/layers/full", params=params)
+            assert answer.status_code == status and "x1y" not in answer.text, params
+        assert client.get("/api/v1/runs/999999/layers/full").status_code == 404

@@ -144,11 +144,14 @@ def wire_batch(
     layer_every: int,
     project: str = "default",
     stream: str = "10ad",
+    nan_step: int | None = None,
 ) -> tuple[bytes, int, int]:
-    """A gzip wire batch as the agent seals it: (body, step records, layer values)."""
+    """A gzip wire batch as the agent seals it: (body, step records, layer values);
+    `nan_step`: a step whose loss is NaN (nan_loss fires)."""
     first = seq * steps_per_batch + 1
     steps = [
-        {"step": s, "rank": 0, "skipped": s % 97 == 0, "loss": 2.0 + (s % 13) / 13,
+        {"step": s, "rank": 0, "skipped": s % 97 == 0,
+         "loss": "NaN" if s == nan_step else 2.0 + (s % 13) / 13,
          "loss_scale": 65536.0, "grad_norm": 0.5, "lr": 1e-3,
          "act_norm_mean": 7.5, "act_norm_max": 11.0}
         for s in range(first, first + steps_per_batch)

@@ -63,6 +63,7 @@ RULES = (
     "update_rms_rise",
     "scale_decline",
     "flush_trend",
+    "loss_collapse",
 )
 #: A labeled restart checkpoint precedes the precursor's onset by at least this many steps.
 #: The onset here is ground truth (where the rise began, at a 5% deviation), not a
@@ -610,7 +611,9 @@ SCENARIOS: tuple[Scenario, ...] = (
                     "no_data",
                 }
             ),
-            may_fire=frozenset({"underflow_risk"}),
+            # The loss the agent reports is the divided one: 2^16 lower in one step, not a
+            # run converging there, so loss_collapse warns at the incident's second step.
+            may_fire=frozenset({"underflow_risk", "loss_collapse"}),
         ),
         check_fp16_no_scaler,
     ),

@@ -17,7 +17,7 @@ from scenario_catalog import Label, Observed, Scenario, ground_truth, observe, t
 INCIDENT_RULES = frozenset({
     "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
     "underflow_risk", "scale_floor_stall", "nan_loss", "loss_spike", "grad_norm_spike",
-    "overflow_burst",
+    "overflow_burst", "loss_collapse",
 })  # fmt: skip
 SEVERITIES = ("info", "warning", "critical")
 

@@ -21,13 +21,8 @@ TUNING = [log for log in LOGS if not log.held_back]
 #: (log, bar) -> why it is not met yet. bar: "read", "values", "quiet", "caught". The
 #: parsers' misses the corpus found are fixed (each with a test in
 #: tests/agent/test_logs_parsers.py); what is left is the alert engine's.
-KNOWN: dict[tuple[str, str], str] = {
-    ("olmo-692-ce-zero", "caught"): (
-        "read exactly (6 of 6 values), but no rule judges a loss collapsing to 0.0 with a "
-        "vanishing grad norm (12.18 -> 1.8e-06 -> 0.0; 231.7 -> 7.7e-08): the manual API "
-        "misses it too"
-    ),
-}
+#: (OLMo #692's loss collapsing to 0.0 is `loss_collapse`'s now.)
+KNOWN: dict[tuple[str, str], str] = {}
 
 
 def case(log: Log, bar: str) -> object:

@@ -186,9 +186,15 @@ def test_margin_and_scale_overrides(client: httpx.Client, crash_run: int) -> Non
     answer = client.get(url, params={"margin_steps": 5}).json()
     assert answer["margin_steps"] == 5
     assert answer["recommended"]["step"] == 140  # 12 steps before the onset now suffice
-    answer = client.get(url, params={"min_loss_scale": 100000}).json()
+    answer = client.get(url, params={"healthy_loss_scale": 100000}).json()
     assert answer["recommended"] is None
     assert "loss scale 65536 < 100000" in by_step(answer)[100]["reasons"]
+    # The old name is still accepted (deprecated); the new one wins when both are given.
+    old = client.get(url, params={"min_loss_scale": 100000}).json()
+    assert old["recommended"] is None
+    both = client.get(url, params={"min_loss_scale": 100000, "healthy_loss_scale": 1}).json()
+    assert both["recommended"]["step"] == 100
+    assert client.get(url, params={"healthy_loss_scale": 0}).status_code == 422
     assert client.get(url, params={"margin_steps": -1}).status_code == 422
     assert client.get("/api/v1/runs/999999/restart-candidates").status_code == 404
 
@@ -354,7 +360,7 @@ def test_a_configuration_finding_is_a_caveat_not_an_incident(
 
 
 @SQLITE_ONLY
-def test_min_loss_scale_follows_the_runs_collapse_settings(
+def test_healthy_loss_scale_follows_the_runs_collapse_settings(
     client: httpx.Client, crash_run: int
 ) -> None:
     put = client.put(f"/api/v1/runs/{crash_run}/alert-config",
@@ -365,7 +371,7 @@ def test_min_loss_scale_follows_the_runs_collapse_settings(
     assert answer["recommended"] is None
     assert "loss scale 65536 < 100000" in by_step(answer)[100]["reasons"]
     # The query parameter still wins.
-    assert client.get(url, params={"min_loss_scale": 1}).json()["recommended"]["step"] == 100
+    assert client.get(url, params={"healthy_loss_scale": 1}).json()["recommended"]["step"] == 100
 
 
 def test_the_recommendation_names_the_data_to_skip(client: httpx.Client, crash_run: int) -> None:

@@ -141,6 +141,7 @@ def test_rule_catalogue(api: tuple[httpx.Client, dict[str, str]]) -> None:
         "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
         "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
         "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst", "fp8_risk",
+        "loss_collapse",
     }  # fmt: skip
     collapse = rules["loss_scale_collapse"]
     assert (collapse["severity"], collapse["scope"]) == ("critical", "run")

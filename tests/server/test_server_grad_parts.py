@@ -2,7 +2,7 @@
 (`grad_sumsq`): the same stored norm, bit for bit, whatever the order and grouping in
 which the ranks' batches arrive; NULL while a part is missing; NaN/Inf from an overflowing
 part; the rollups as a fresh recomputation gives them; the grad-norm rule judging the
-combined value when the followed rank's batch completes it."""
+combined value whichever rank's batch completes it."""
 
 from __future__ import annotations
 
@@ -156,27 +156,48 @@ def _spiky_parts(rank: int, steps: range, spike_at: int) -> list[StepRecord]:
     return records
 
 
-@pytest.mark.parametrize("rank0_last", [True, False])
-def test_the_grad_norm_rule_judges_a_norm_the_followed_ranks_batch_completes(
-    feed: Feed, rank0_last: bool
+@pytest.mark.parametrize("spiking", [True, False], ids=["spike", "healthy"])
+@pytest.mark.parametrize("rank0_last", [True, False], ids=["rank0_last", "rank1_last"])
+def test_the_grad_norm_rule_judges_a_sharded_norm_whichever_batch_completes_it(
+    feed: Feed, rank0_last: bool, spiking: bool
 ) -> None:
-    """The engine reads the followed rank's records once, at their ingest: a norm whose last
-    part comes with them is judged; one completed later by another rank's batch is stored
-    but neither judged nor learned (as an unmeasured one)."""
+    """A norm whose last part comes with the followed rank's records is judged with them;
+    one completed later, by another rank's batch, is judged when that batch is stored
+    (before: stored and charted, never judged, so a spike that rank 1's batch completed
+    never fired). A healthy late norm is learned and fires nothing."""
     for start in range(1, 201, 50):
         batch = range(start, start + 50)
         feed.send(_spiky_parts(1, batch, 0), stream="0001")
         feed.send(_spiky_parts(0, batch, 0), stream="0000")
-    spike = [(_spiky_parts(r, range(201, 203), 201), f"000{r}") for r in (0, 1)]
-    for records, stream in spike[::-1] if rank0_last else spike:
+    spike_at = 201 if spiking else 0
+    late = [(_spiky_parts(r, range(201, 203), spike_at), f"000{r}") for r in (0, 1)]
+    for records, stream in late[::-1] if rank0_last else late:
         feed.send(records, stream=stream)
-    assert _stored(feed)[(0, 201)] == pytest.approx(16.0)
+    assert _stored(feed)[(0, 201)] == pytest.approx(16.0 if spiking else 1.0)
     alerts = feed.alerts(rule="grad_norm_spike")
-    if rank0_last:
+    if spiking:
         (alert,) = alerts
         assert alert.fired_step == 201 and alert.values["ratio"] >= 10
     else:
         assert alerts == []
-    learned = feed.state()["recent"]["grad_norms"]  # the combined norms were learned
+    state = feed.state()["recent"]
+    assert state["norm_step"] == 202  # both late norms judged and learned, in step order
+    learned = state["grad_norms"]  # the combined norms were learned
     assert len(learned) >= 30 and all(0.99 < v < 1.21 for v in learned if v != 16.0)
-    assert learned.count(pytest.approx(16.0)) == (1 if rank0_last else 0)
+    assert learned.count(pytest.approx(16.0)) == (1 if spiking else 0)
+
+
+def test_a_norm_completed_after_a_later_one_was_judged_is_not_judged(feed: Feed) -> None:
+    """The baseline learns in step order: a step's norm completed once a later step's norm
+    was judged is stored but not judged (rank 1's batch of 201 lost, then re-sent)."""
+    for start in range(1, 201, 50):
+        batch = range(start, start + 50)
+        feed.send(_spiky_parts(1, batch, 0), stream="0001")
+        feed.send(_spiky_parts(0, batch, 0), stream="0000")
+    feed.send(_spiky_parts(0, range(201, 202), 201), stream="0000")
+    feed.send(_spiky_parts(1, range(202, 203), 201), stream="0001")
+    feed.send(_spiky_parts(0, range(202, 203), 201), stream="0000")  # 202 judged in-batch
+    feed.send(_spiky_parts(1, range(201, 202), 201), stream="0002")  # 201 completed late
+    assert _stored(feed)[(0, 201)] == pytest.approx(16.0)
+    assert feed.alerts(rule="grad_norm_spike") == []
+    assert feed.state()["recent"]["norm_step"] == 202

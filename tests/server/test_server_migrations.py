@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import pytest
@@ -96,3 +97,39 @@ def test_0006_counts_the_steps_of_existing_rollups(db_url: str) -> None:
             assert [tuple(row) for row in counts] == [(0, 3), (64, 1)]
     finally:
         engine.dispose()
+
+
+VERSIONS = Path(__file__).resolve().parents[2] / "alembic" / "versions"
+
+
+def package_imports(source: str) -> list[str]:
+    """Every `ampwatch` module `source` imports, at any depth (a function's lazy import
+    counts: it runs with the live code as much as a top-level one).
+
+    >>> package_imports("import os\\ndef f():\\n    from ampwatch.agent.wire import X\\n")
+    ['ampwatch.agent.wire']
+    """
+    found = []
+    for node in ast.walk(ast.parse(source)):
+        if isinstance(node, ast.ImportFrom) and node.module:
+            names = [node.module]
+        elif isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        else:
+            continue
+        found += [n for n in names if n == "ampwatch" or n.startswith("ampwatch.")]
+    return found
+
+
+def test_migrations_import_nothing_from_the_package() -> None:
+    """A migration is a frozen snapshot: one that imports live code (a field tuple, a
+    rollup statement) would create something else once that code changes, so an old
+    database and a fresh one would differ (issue 30: 0011, 0012 and 0014 did)."""
+    migrations = sorted(VERSIONS.glob("*.py"))
+    assert len(migrations) >= 15
+    offenders = {
+        path.name: imports
+        for path in migrations
+        if (imports := package_imports(path.read_text(encoding="utf-8")))
+    }
+    assert offenders == {}

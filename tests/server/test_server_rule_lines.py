@@ -81,7 +81,7 @@ def test_the_served_threshold_is_the_rules_and_overrides_move_the_lines(
                                    "floor_headroom_octaves": 4, "floor_headroom_scale": 8.0}  # fmt: skip
     engine = make_engine(collector.database_url)
     with make_sessionmaker(engine)() as session:  # the advisor's healthy scale is the same
-        assert run_config(session, run_id).min_loss_scale == 4.0
+        assert run_config(session, run_id).healthy_loss_scale == 4.0
     engine.dispose()
 
     # Downsampled: a bucket's maximum is above its line exactly where a step was above.

@@ -1,8 +1,8 @@
 """`steps.adam_rms_max` / `update_ratio_max` and their rollup extremes: precursors of a
 divergence read from an Adam-family optimizer's state every step (`agent/precursors.py`).
 
-Revision ID: 0016
-Revises: 0015
+Revision ID: 0018
+Revises: 0017
 Create Date: 2026-12-02
 
 Existing rows were never measured: NULL. A frozen list of the columns: imports nothing
@@ -16,8 +16,8 @@ from collections.abc import Sequence
 import sqlalchemy as sa
 from alembic import op
 
-revision: str = "0016"
-down_revision: str | None = "0015"
+revision: str = "0018"
+down_revision: str | None = "0017"
 branch_labels: str | Sequence[str] | None = None
 depends_on: str | Sequence[str] | None = None
 
