@@ -29,9 +29,8 @@ taken every step, the agent's per-step work went from ~0.5 ms to 5-7 ms, 2.6-3.6
 Read as the optimizer left them, after `step()` (the scaler path: at `scaler.update()`,
 with the gradients already unscaled, fused kernels included; a skipped step left the
 moments alone and its gradients non-finite: the collector ignores skipped steps' values).
-The bias correction uses the state's `step`, a CPU tensor for plain and foreach Adam (read
-on the host: no device sync) and a device tensor for fused or capturable ones (kept on the
-device). The eps floor is taken as eps**2 on v_t rather than on v_hat_t, which differs only
+The bias correction uses the state's `step`, a CPU tensor for plain and foreach Adam and a
+device tensor for fused or capturable ones, kept a tensor either way (no host read). The eps floor is taken as eps**2 on v_t rather than on v_hat_t, which differs only
 where the second moment is ~0 (`eps**2` = 1e-16), so that the floor stays a host number.
 
 Under FSDP the gradients and moments are DTensors: each rank measures its local shards
@@ -126,15 +125,15 @@ def _adam_groups(optimizers: list[torch.optim.Optimizer]) -> list[_Group]:
 
 
 def _number(value: Any) -> torch.Tensor | float:
-    """A host number for a Python number or a CPU tensor (reading it syncs no device), the
-    tensor itself on its device otherwise (fused and capturable optimizers' `step`, `lr`)."""
-    if isinstance(value, torch.Tensor):
-        return float(value) if value.device.type == "cpu" else value.to(torch.float32)
-    return float(value)
+    """A Python number as it is; a tensor (a CPU `step` or `lr`, or a fused or capturable
+    optimizer's on the device) kept a float32 tensor where it lies: never read on the
+    host, so the training thread makes no host read for it (a 0-d CPU tensor combines with
+    a device tensor as a scalar)."""
+    return value.to(torch.float32) if isinstance(value, torch.Tensor) else float(value)
 
 
 def _bias_correction(beta: float, step: Any) -> torch.Tensor | float:
-    """1 - beta**t, a host number or a device tensor as the step is."""
+    """1 - beta**t, a host number or a tensor as the step is."""
     t = _number(step)
     return 1.0 - torch.pow(beta, t) if isinstance(t, torch.Tensor) else 1.0 - beta**t
 

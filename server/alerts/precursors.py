@@ -35,7 +35,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 import numpy as np
-from sqlalchemy import select
+from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
@@ -220,22 +220,41 @@ def judge_flush(
 
 
 def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
-    """Once an event alert holds at or after a waiting precursor, record on each precursor
-    alert that fired before it how many steps ahead it was (module docstring)."""
-    if state.awaiting is None:
-        return
-    event = session.scalars(
-        select(Alert)
-        .where(Alert.run_id == run_id, Alert.rule.in_(EVENT_RULES),
-               Alert.started_step >= state.awaiting)
-        .order_by(Alert.started_step, Alert.id)
-        .limit(1)
-    ).first()  # fmt: skip
-    if event is None:
-        return
+    """Record on each precursor alert that fired before an event alert how many steps ahead
+    of that event it was (module docstring), event by event from `state.awaiting` on.
+
+    Judged only on what no later batch can change, so that where a run's steps are cut
+    into batches never changes a lead: an event counts once it has fired (a pending one
+    may be dropped), and not while an earlier-starting event is still pending (it may
+    fire yet, and would be the first)."""
+    while state.awaiting is not None:
+        after = (Alert.run_id == run_id, Alert.rule.in_(EVENT_RULES),
+                 Alert.started_step >= state.awaiting)  # fmt: skip
+        event = session.scalars(
+            select(Alert).where(*after, Alert.fired_step.is_not(None))
+            .order_by(Alert.started_step, Alert.id).limit(1)
+        ).first()  # fmt: skip
+        if event is None:
+            return
+        undecided = session.scalars(
+            select(Alert.id).where(*after, Alert.status == "pending",
+                                   Alert.started_step < event.started_step).limit(1)
+        ).first()  # fmt: skip
+        if undecided is not None:
+            return
+        _stamp(session, run_id, state, event, since=state.awaiting)
+        state.awaiting = session.scalars(
+            select(func.min(Alert.fired_step)).where(
+                Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),
+                Alert.fired_step > event.started_step)
+        ).first()  # fmt: skip
+
+
+def _stamp(session: Session, run_id: int, state: PrecursorState, event: Alert, *, since: int) -> None:
+    """The lead to `event` on each precursor alert fired from `since` up to its onset."""
     waiting = session.scalars(
         select(Alert).where(Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),
-                            Alert.fired_step.is_not(None),
+                            Alert.fired_step >= since,
                             Alert.fired_step <= event.started_step)
     ).all()  # fmt: skip
     for alert in waiting:
@@ -247,4 +266,3 @@ def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
         alert.values = {**(alert.values or {}), **lead}
         if alert.status != "resolved":
             state.leads[f"{alert.rule}|{alert.layer}"] = lead
-    state.awaiting = None

@@ -141,7 +141,7 @@ def test_rule_catalogue(api: tuple[httpx.Client, dict[str, str]]) -> None:
         "loss_scale_collapse", "skip_rate", "activation_norm_spike", "silent_underflow",
         "underflow_risk", "scale_floor_stall", "no_data", "nan_loss", "fp16_without_scaler",
         "clip_before_unscale", "loss_spike", "grad_norm_spike", "overflow_burst", "fp8_risk",
-        "loss_collapse",
+        "loss_collapse", "update_rms_rise", "scale_decline", "flush_trend",
     }  # fmt: skip
     collapse = rules["loss_scale_collapse"]
     assert (collapse["severity"], collapse["scope"]) == ("critical", "run")
@@ -149,6 +149,8 @@ def test_rule_catalogue(api: tuple[httpx.Client, dict[str, str]]) -> None:
     assert collapse["defaults"]["max_consecutive_skips"] == 10
     assert "DeepSpeed" in collapse["settings"]["min_scale"]
     assert rules["silent_underflow"]["scope"] == "layer"
+    assert rules["flush_trend"]["scope"] == "layer"
+    assert rules["update_rms_rise"]["severity"] == rules["scale_decline"]["severity"] == "warning"
     assert rules["no_data"]["defaults"] == {"enabled": True, "stale_seconds": 600.0}
 
 

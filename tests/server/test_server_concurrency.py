@@ -7,6 +7,7 @@ Small on purpose (CI runs on 2 cores); `bench/load.py` is the 1,000-client versi
 from __future__ import annotations
 
 import asyncio
+import statistics
 import threading
 import time
 from collections import Counter
@@ -60,8 +61,13 @@ def test_concurrent_reads_never_freeze_the_collector(
     with start_collector(db_url, dashboard=False, admin_token=ADMIN) as live:
         statuses, health_latencies = asyncio.run(_storm(live.url, ADMIN))
     assert statuses == Counter({200: CONCURRENT})
-    # /healthz is answered on the event loop, not behind the busy worker threads.
-    assert max(health_latencies) < 5.0, health_latencies
+    # /healthz is answered on the event loop, not behind the busy worker threads: frozen, it
+    # took the 30 s pool timeout. Typically <= 1.6 s here, even with 3 CPU burners on 2
+    # cores; one answer of ten took 7 s once in CI on a loaded machine (the client shares
+    # this process's GIL with the collector), so one stall is allowed, not a slow median.
+    # The latency bar itself is bench/load.py's (/healthz p99 under 1,000 clients).
+    assert statistics.median(health_latencies) < 5.0, health_latencies
+    assert max(health_latencies) < 15.0, health_latencies
 
 
 def _tokens(database_url: str) -> dict[str, str]:
