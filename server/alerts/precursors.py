@@ -250,7 +250,9 @@ def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
         ).first()  # fmt: skip
 
 
-def _stamp(session: Session, run_id: int, state: PrecursorState, event: Alert, *, since: int) -> None:
+def _stamp(
+    session: Session, run_id: int, state: PrecursorState, event: Alert, *, since: int
+) -> None:
     """The lead to `event` on each precursor alert fired from `since` up to its onset."""
     waiting = session.scalars(
         select(Alert).where(Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),

@@ -77,7 +77,9 @@ def test_the_same_steps_in_one_batch_or_many_judge_the_same(
 def _difference(bounds: list[int], whole: Any, parts: Any) -> str:
     """What differs, short: a whole example is tens of kB of step records."""
     lines = [f"batches cut at {bounds}"]
-    lines += [f"one batch only: {alert[:8]} {alert[8]}" for alert in whole[0] if alert not in parts[0]]
+    lines += [
+        f"one batch only: {alert[:8]} {alert[8]}" for alert in whole[0] if alert not in parts[0]
+    ]
     lines += [f"cut only: {alert[:8]} {alert[8]}" for alert in parts[0] if alert not in whole[0]]
     lines += [f"state {key}: {whole[1].get(key)} | {parts[1].get(key)}"
               for key in set(whole[1]) | set(parts[1])
