@@ -124,7 +124,8 @@ class WatchHandle:
         """Report the index of the first batch (`batch_idx`) the current optimizer step
         consumes, in `epoch`: a resume plan then lists the batches to skip, not only the
         steps. Call it every step (micro-batches after the first are ignored); it sends an
-        event only when the position stops following its stride. Never raises."""
+        event only when the position stops following its stride. It is a step boundary:
+        `on_critical="raise"` may raise `CriticalAlert` here; nothing else is raised."""
         if self._state is not Lifecycle.ATTACHED:
             return
         try:

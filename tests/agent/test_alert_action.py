@@ -388,7 +388,10 @@ def test_collector_down_the_loop_never_waits_and_the_policy_applies_when_it_retu
     print(f"\n{down_until} steps while down; stopped at {run.last_step} ({elapsed:.1f} s)")
 
 
-def test_raise_interrupts_the_loop_at_the_scalers_update(tmp_path: Path, sqlite_url: str) -> None:
+def test_raise_interrupts_the_loop_at_a_step_boundary(tmp_path: Path, sqlite_url: str) -> None:
+    """Raised on the training thread at whichever step boundary comes first after the alert
+    arrives (the scaler's update, the optimizer's step hook, `log_loss`, `data_position`:
+    which one is a race with the sender), never on the sender thread (`hear`)."""
     upgrade(sqlite_url)
     sock = bind_socket()
     settings = Settings(database_url=sqlite_url, port=sock.getsockname()[1], dashboard=False)
@@ -400,7 +403,8 @@ def test_raise_interrupts_the_loop_at_the_scalers_update(tmp_path: Path, sqlite_
               poison_at=5)  # fmt: skip
     assert raised.value.code == EXIT_CRITICAL_ALERT
     frames = [frame.name for frame in raised.traceback]
-    assert "_update" in frames and "hear" not in frames  # the training thread's update()
+    assert frames[-1] == "at_boundary" and "hear" not in frames
+    assert {"train", "_at_boundary"} <= set(frames)
 
 
 def test_offline_mode_says_once_that_no_alert_can_come_back(
