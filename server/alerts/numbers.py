@@ -21,9 +21,18 @@ def fmt(value: float | None) -> str:
 
 
 def octaves(ratio: float) -> str:
-    """'2^-17' for a power of two, else '2^-16.6'."""
+    """'2^-17' for a power of two, else '2^-16.6'; a quotient that overflowed (a huge scale
+    over a tiny one) or is NaN is said as such instead of raising in `round`.
+
+    >>> octaves(2.0**-17), octaves(0.1), octaves(math.inf), octaves(math.nan)
+    ('2^-17', '2^-3.3', '2^inf', 'NaN')
+    """
+    if math.isnan(ratio):
+        return "NaN"
     if ratio <= 0:
         return "0"
+    if math.isinf(ratio):
+        return "2^inf"
     exponent = math.log2(ratio)
     return f"2^{exponent:.0f}" if abs(exponent - round(exponent)) < 1e-9 else f"2^{exponent:.1f}"
 
