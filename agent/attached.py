@@ -30,6 +30,16 @@ from ampwatch.agent.transport import Sender
 attached: weakref.WeakSet[object] = weakref.WeakSet()
 
 
+def check_not_watched(*objects: object) -> None:
+    """RuntimeError when one of `objects` is watched already (by a handle not detached)."""
+    for obj in objects:
+        if obj is not None and obj in attached:
+            raise RuntimeError(
+                f"this {type(obj).__name__} is already watched; detach() the first handle "
+                "before calling watch() again"
+            )
+
+
 class AttachedHandle(StepSampling):
     """The live handle: owns the hooks, the scaler tap, the clip check and the sender."""
 
