@@ -1,11 +1,13 @@
 """`watch()`: attach the agent to a model, its optimizers and (optional) GradScaler.
 
-Here: the arguments, checked at attach time (TypeError/ValueError saying how to fix them),
-the run's identity, and the wiring of the parts: the live handle and its hooks
-(`ampwatch.agent.attached`), which measure each step (`ampwatch.agent.sampling`: a few
-device reductions, the step's scalars stacked into one tensor whose host copy the sender
-thread waits for) and hand samples to the sender (`ampwatch.agent.transport`). The training
-thread never waits for the device and never sees an exception from the agent.
+Here: the order of attaching, the run's identity, and the wiring of the parts; the
+arguments are unwrapped (`ampwatch.agent.unwrap`) and checked first, before anything is
+hooked (`ampwatch.agent.arguments`: TypeError/ValueError saying how to fix them). The parts:
+the live handle and its hooks (`ampwatch.agent.attached`), which measure each step
+(`ampwatch.agent.sampling`: a few device reductions, the step's scalars stacked into one
+tensor whose host copy the sender thread waits for) and hand samples to the sender
+(`ampwatch.agent.transport`). The training thread never waits for the device and never sees
+an exception from the agent.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import torch
 from torch import nn
 
 from ampwatch.agent import compiled, config, fp8, wire
-from ampwatch.agent.attached import AttachedHandle, attach_findings, attached
+from ampwatch.agent.arguments import Measures, check_arguments, check_delivery
+from ampwatch.agent.attached import AttachedHandle, attach_findings, check_not_watched
 from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.handle import Lifecycle, WatchHandle
 from ampwatch.agent.hooks import find_final_layer
@@ -28,7 +31,7 @@ from ampwatch.agent.http_transport import Transport, http_transport
 from ampwatch.agent.policy import AlertPolicy, OnCritical, check_on_critical
 from ampwatch.agent.resume import ResumeFrom, load_resume_plan
 from ampwatch.agent.sampling import to_host
-from ampwatch.agent.scaler import checked_min_loss_scale, scaler_config
+from ampwatch.agent.scaler import scaler_config
 from ampwatch.agent.shards import compute_dtype
 from ampwatch.agent.summary import (
     guess_precision,
@@ -38,12 +41,7 @@ from ampwatch.agent.summary import (
     sends_steps,
 )
 from ampwatch.agent.transport import Sender
-from ampwatch.agent.unwrap import (
-    SUPPORTED_OPTIMIZERS,
-    unwrap_model,
-    unwrap_optimizer,
-    wrapped_scaler,
-)
+from ampwatch.agent.unwrap import watched_objects
 
 #: The handle's public names live in `ampwatch.agent.handle`; `ampwatch.agent` exports them.
 __all__ = ["Lifecycle", "WatchHandle", "watch"]
@@ -160,14 +158,7 @@ def watch(
     Raises TypeError/ValueError on misuse, RuntimeError if an object is already watched.
     """
     check_on_critical(on_critical)
-    plan = None if resume_from is None else load_resume_plan(resume_from)
-    if plan is not None:
-        if run_id is not None and run_id != plan.client_run_id:
-            raise ValueError(
-                f"run_id {run_id!r} differs from the resume plan's run {plan.client_run_id!r}"
-            )
-        run_id, run = plan.client_run_id, run or plan.name
-        start_step = start_step or plan.step
+    plan, run_id, run, start_step = _resume(resume_from, run_id, run, start_step)
     settings = config.resolve(
         url=url,
         token=token,
@@ -182,45 +173,95 @@ def watch(
         return WatchHandle(
             client_run_id=settings.run_id or uuid.uuid4().hex, state=Lifecycle.DISABLED
         )
-    optimizers = _optimizer_list(optimizer)
-    if scaler is None:
-        scaler = next((s for o in _as_list(optimizer) if (s := wrapped_scaler(o))), None)
-    if accelerator is not None and scaler is None:
-        scaler = getattr(accelerator, "scaler", None)
-    passed, model = model, unwrap_model(model)
-    _check_arguments(model, optimizers, scaler, settings, flush_interval, max_queue, transport)
-    if delivery is not None and not isinstance(delivery, DeliveryOptions):
-        raise TypeError(
-            f"delivery must be an ampwatch.agent.delivery.DeliveryOptions, got "
-            f"{type(delivery).__name__}"
-        )
-    fp8.check_options(fp8_stats_every, fp8_recipe)
-    min_loss_scale = checked_min_loss_scale(min_loss_scale)
-    if loss_reduction not in ("mean", "sum"):
-        raise ValueError(f'loss_reduction must be "mean" or "sum", got {loss_reduction!r}')
-    if isinstance(start_step, bool) or not isinstance(start_step, int) or start_step < 0:
-        raise ValueError(f"start_step must be an int >= 0, got {start_step!r}")
+    module, optimizers, scaler = watched_objects(model, optimizer, scaler, accelerator)
+    check_arguments(module, optimizers, scaler, settings, flush_interval, max_queue, transport)
+    check_delivery(delivery)
+    measures = Measures(
+        grad_norm=grad_norm,
+        steps_from_every_rank=steps_from_every_rank,
+        activation_max_abs=activation_max_abs,
+        fp8_stats_every=fp8_stats_every,
+        fp8_activations=fp8_activations,
+        fp8_recipe=fp8_recipe,
+        loss_reduction=loss_reduction,
+        start_step=start_step,
+        min_loss_scale=min_loss_scale,
+    ).checked()
     if scaler is not None and not scaler.is_enabled():
         scaler = None
-    for obj in (model, *optimizers, scaler):
-        if obj is not None and obj in attached:
-            raise RuntimeError(
-                f"this {type(obj).__name__} is already watched; detach() the first handle "
-                "before calling watch() again"
-            )
-    head = find_final_layer(model, final_layer)
+    check_not_watched(module, *optimizers, scaler)
+    head = find_final_layer(module, final_layer)
+    run_ref, info = _identify(settings, module)  # a collective when distributed
+    policy = _alert_policy(on_critical, plan, settings)
+    sender = _sender(run_ref, settings, policy, transport, flush_interval, max_queue, delivery)
+    handle = _attached(
+        module, model, optimizers, scaler, sender, settings, head, run_ref, info, measures, policy
+    )
+    if accelerator is not None:
+        from ampwatch.integrations.accelerate import tap_backward
+
+        handle._detach_actions.append(tap_backward(accelerator, handle))
+    sender.start()
+    _announce(handle, module, optimizers, scaler, head, settings, measures, info, plan)
+    return handle
+
+
+def _resume(
+    resume_from: ResumeFrom | dict[str, Any] | str | os.PathLike[str] | None,
+    run_id: str | None,
+    run: str | None,
+    start_step: int,
+) -> tuple[ResumeFrom | None, str | None, str | None, int]:
+    """The resume plan, if any, and the run's id, name and first step under it: the plan's
+    run id (a different `run_id` is a ValueError), and its name and checkpoint's step unless
+    given."""
+    if resume_from is None:
+        return None, run_id, run, start_step
+    plan = load_resume_plan(resume_from)
+    if run_id is not None and run_id != plan.client_run_id:
+        raise ValueError(
+            f"run_id {run_id!r} differs from the resume plan's run {plan.client_run_id!r}"
+        )
+    return plan, plan.client_run_id, run or plan.name, start_step or plan.step
+
+
+def _identify(settings: config.Config, module: nn.Module) -> tuple[wire.RunRef, dict[str, Any]]:
+    """The run this process reports to (its id shared by every rank, its name, its project)
+    and the process (`summary.process_info`)."""
     info = process_info()
     client_run_id = _shared_run_id(settings.run_id, info["world_size"])
-    name = settings.run or f"{type(model).__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
-    if transport is None and settings.offline_file is None:
-        transport = http_transport(settings.url)
+    name = settings.run or f"{type(module).__name__}-{time.strftime('%Y%m%d-%H%M%S')}"
     run_ref: wire.RunRef = {"client_run_id": client_run_id, "name": name}
     if settings.project is not None:
         run_ref["project"] = settings.project
+    return run_ref, info
+
+
+def _alert_policy(
+    on_critical: OnCritical, plan: ResumeFrom | None, settings: config.Config
+) -> AlertPolicy:
+    """What a critical alert does; the alerts the resume plan answered are ignored, and
+    offline no answer comes."""
     policy = AlertPolicy(on_critical, ignore=plan.alert_ids if plan is not None else ())
     if settings.offline_file is not None:
         policy.unanswered("offline mode (offline_file)")
-    sender = Sender(
+    return policy
+
+
+def _sender(
+    run_ref: wire.RunRef,
+    settings: config.Config,
+    policy: AlertPolicy,
+    transport: Transport | None,
+    flush_interval: float,
+    max_queue: int,
+    delivery: DeliveryOptions | None,
+) -> Sender:
+    """The sender thread, not started: HTTP to the collector unless offline or given a
+    transport; the collector's answers go to the alert policy."""
+    if transport is None and settings.offline_file is None:
+        transport = http_transport(settings.url)
+    return Sender(
         run_ref,
         transport,
         token=settings.token,
@@ -230,123 +271,95 @@ def watch(
         delivery=DeliveryOptions() if delivery is None else delivery,
         on_answer=policy.hear,
     )
-    send_steps = sends_steps(info["rank"], every_rank=steps_from_every_rank)
+
+
+def _attached(
+    module: nn.Module,
+    passed: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    sender: Sender,
+    settings: config.Config,
+    head: tuple[str, nn.Module, bool] | None,
+    run_ref: wire.RunRef,
+    info: dict[str, Any],
+    measures: Measures,
+    policy: AlertPolicy,
+) -> AttachedHandle:
+    """The live handle on `module` (`passed`: what watch() got, maybe compiled), with the
+    alert policy and, when asked and steps are automatic, FP8 readiness."""
+    send_steps = sends_steps(info["rank"], every_rank=measures.steps_from_every_rank)
     compiled_as = None
-    if compiled.forget_compiled_code(passed, model) or compiled.is_compiled(passed):
+    if compiled.forget_compiled_code(passed, module) or compiled.is_compiled(passed):
         compiled_as = passed
     handle = AttachedHandle(
-        model,
+        module,
         optimizers,
         scaler,
         sender=sender,
         settings=settings,
-        measure_grad_norm=grad_norm,
+        measure_grad_norm=measures.grad_norm,
         final_layer=head,
-        client_run_id=client_run_id,
+        client_run_id=run_ref["client_run_id"],
         rank=info["rank"],
         world_size=info["world_size"],
         send_steps=send_steps,
-        activation_max_abs=activation_max_abs,
-        loss_reduction=loss_reduction,
-        start_step=start_step,
+        activation_max_abs=measures.activation_max_abs,
+        loss_reduction=measures.loss_reduction,
+        start_step=measures.start_step,
         compiled_as=compiled_as,
     )
     handle._policy = policy
-    if fp8_stats_every and optimizers:
+    if measures.fp8_stats_every and optimizers:
         handle._fp8 = fp8.Fp8Monitor(
-            model,
-            every=fp8_stats_every,
-            activations=fp8_activations and compiled_as is None,
+            module,
+            every=measures.fp8_stats_every,
+            activations=measures.fp8_activations and compiled_as is None,
             rank=info["rank"],
             on_error=handle._on_error,
             to_host=to_host,
         )
         handle._detach_actions.append(handle._fp8.disarm)
-    if accelerator is not None:
-        from ampwatch.integrations.accelerate import tap_backward
+    return handle
 
-        handle._detach_actions.append(tap_backward(accelerator, handle))
-    sender.start()
+
+def _announce(
+    handle: AttachedHandle,
+    module: nn.Module,
+    optimizers: list[torch.optim.Optimizer],
+    scaler: torch.amp.GradScaler | None,
+    head: tuple[str, nn.Module, bool] | None,
+    settings: config.Config,
+    measures: Measures,
+    info: dict[str, Any],
+    plan: ResumeFrom | None,
+) -> None:
+    """What the run says at attach: run_start (what is watched, and how), `resumed` under a
+    plan, and the findings the parameters already show."""
     handle._event(
         "run_start",
         None,
         {
-            "model": model_summary(model),
+            "model": model_summary(module),
             "optimizers": [optimizer_summary(o) for o in optimizers],
             "scaler": scaler_config(scaler) if scaler is not None else None,
-            wire.MIN_LOSS_SCALE: min_loss_scale,
-            "precision": guess_precision(model, scaler is not None, compute_dtype(model)),
+            wire.MIN_LOSS_SCALE: measures.min_loss_scale,
+            "precision": guess_precision(module, scaler is not None, compute_dtype(module)),
             "final_layer": None
             if head is None
             else {"name": head[0], "measures": "input" if head[2] else "output"},
             "layer_stats_every": settings.layer_stats_every,
-            "grad_norm": grad_norm,
-            "activation_max_abs": activation_max_abs,
-            "fp8_stats_every": fp8_stats_every,
-            "fp8_recipe": fp8_recipe,
+            "grad_norm": measures.grad_norm,
+            "activation_max_abs": measures.activation_max_abs,
+            "fp8_stats_every": measures.fp8_stats_every,
+            "fp8_recipe": measures.fp8_recipe,
             "mode": "automatic" if optimizers else "manual",
             "sharding": handle._sharded,
             "shard_replicas": handle._shard_replicas,  # ranks holding each shard
-            "step_scalars_from": "every rank" if steps_from_every_rank else "rank 0",
+            "step_scalars_from": "every rank" if measures.steps_from_every_rank else "rank 0",
             **info,
         },
     )
     if plan is not None and info["rank"] == 0:  # once: it resolves the run's open alerts
         handle._event("resumed", plan.step, plan.summary())
-    attach_findings(handle, model, scaler is None and bool(optimizers))
-    return handle
-
-
-def _as_list(optimizer: object) -> list[object]:
-    if optimizer is None:
-        return []
-    if isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
-        return list(optimizer)
-    return [optimizer]
-
-
-def _optimizer_list(optimizer: object) -> list[torch.optim.Optimizer]:
-    """The torch optimizers to hook, unwrapped; TypeError naming what is supported."""
-    try:
-        return [unwrap_optimizer(o) for o in _as_list(optimizer)]
-    except TypeError:
-        raise TypeError(
-            f"optimizer must be {SUPPORTED_OPTIMIZERS}, got {type(optimizer).__name__}"
-        ) from None
-
-
-def _check_arguments(
-    model: object,
-    optimizers: list[torch.optim.Optimizer],
-    scaler: object,
-    settings: config.Config,
-    flush_interval: float,
-    max_queue: int,
-    transport: object,
-) -> None:
-    if not isinstance(model, nn.Module):
-        raise TypeError(f"model must be a torch.nn.Module, got {type(model).__name__}")
-    if scaler is not None and not isinstance(scaler, torch.amp.GradScaler):
-        raise TypeError(
-            f"scaler must be a torch.amp.GradScaler or None, got {type(scaler).__name__}"
-        )
-    if scaler is not None and not optimizers:
-        raise ValueError(
-            "a scaler needs the optimizer(s) it steps: watch(model, optimizer, scaler)"
-        )
-    for label, value in (("run", settings.run), ("project", settings.project)):
-        if value is not None and not (
-            isinstance(value, str) and 0 < len(value) <= wire.MAX_NAME_LENGTH
-        ):
-            raise ValueError(
-                f"{label} must be a non-empty string of at most {wire.MAX_NAME_LENGTH} characters"
-            )
-    every = settings.layer_stats_every
-    if isinstance(every, bool) or not isinstance(every, int) or every < 1:
-        raise ValueError(f"layer_stats_every must be an int >= 1, got {every!r}")
-    if not flush_interval > 0:
-        raise ValueError(f"flush_interval must be > 0 seconds, got {flush_interval!r}")
-    if not isinstance(max_queue, int) or max_queue < 1:
-        raise ValueError(f"max_queue must be an int >= 1, got {max_queue!r}")
-    if transport is not None and not callable(transport):
-        raise TypeError("transport must be a callable (body: bytes, headers: dict) -> HTTP status")
+    attach_findings(handle, module, scaler is None and bool(optimizers))

@@ -30,6 +30,16 @@ from ampwatch.agent.transport import Sender
 attached: weakref.WeakSet[object] = weakref.WeakSet()
 
 
+def check_not_watched(*objects: object) -> None:
+    """RuntimeError when one of `objects` is watched already (by a handle not detached)."""
+    for obj in objects:
+        if obj is not None and obj in attached:
+            raise RuntimeError(
+                f"this {type(obj).__name__} is already watched; detach() the first handle "
+                "before calling watch() again"
+            )
+
+
 class AttachedHandle(StepSampling):
     """The live handle: owns the hooks, the scaler tap, the clip check and the sender."""
 
@@ -62,20 +72,7 @@ class AttachedHandle(StepSampling):
         #: A sampled step's range statistics, taken just before the loop's clip.
         self._early_layers: LayerSample | None = None
         self._model = model
-        #: Walked once: `named_parameters()` recurses through every module on each call
-        #: (~65 us of a 3M-parameter model's per-step work); parameters added to the model
-        #: after watch() are not measured. Named as the user's model names them (`shards`).
-        self._named_params = shards.named_parameters(model)
-        self._sharded = shards.sharding(model, (p for _, p in self._named_params))
-        fsdp1 = self._sharded == "fsdp1"
-        #: On how many ranks an FSDP1 shard is held (`shards.fsdp1_replicas`).
-        self._plain_replicas = shards.fsdp1_replicas(model) if fsdp1 else None
-        #: On how many ranks each shard is held, for run_start (FSDP2: HSDP's replicas).
-        self._shard_replicas = (
-            shards.dtensor_replicas(p for _, p in self._named_params)
-            if self._sharded == "fsdp2"
-            else self._plain_replicas
-        )
+        self._map_parameters(model)
         self._world_size = world_size
         self._optimizers = optimizers
         self._scaler = scaler
@@ -94,6 +91,40 @@ class AttachedHandle(StepSampling):
         self._reported: set[str] = set()
         self._fp8: fp8.Fp8Monitor | None = None  # set by watch()
         self._tap: ScalerTap | None = None
+        self._hook_activations(model, final_layer, compiled_as, activation_max_abs)
+        self._hook_precision(model, compiled_as)
+        self._hook_steps(model, optimizers, scaler)
+        self._watched = [o for o in (model, *optimizers, scaler) if o is not None]
+        attached.update(self._watched)
+        atexit.register(self._at_exit)
+        self._detach_actions.insert(0, self._release)
+
+    def _map_parameters(self, model: nn.Module) -> None:
+        """The model's parameters by name, and how they are sharded across the ranks."""
+        #: Walked once: `named_parameters()` recurses through every module on each call
+        #: (~65 us of a 3M-parameter model's per-step work); parameters added to the model
+        #: after watch() are not measured. Named as the user's model names them (`shards`).
+        self._named_params = shards.named_parameters(model)
+        self._sharded = shards.sharding(model, (p for _, p in self._named_params))
+        fsdp1 = self._sharded == "fsdp1"
+        #: On how many ranks an FSDP1 shard is held (`shards.fsdp1_replicas`).
+        self._plain_replicas = shards.fsdp1_replicas(model) if fsdp1 else None
+        #: On how many ranks each shard is held, for run_start (FSDP2: HSDP's replicas).
+        self._shard_replicas = (
+            shards.dtensor_replicas(p for _, p in self._named_params)
+            if self._sharded == "fsdp2"
+            else self._plain_replicas
+        )
+
+    def _hook_activations(
+        self,
+        model: nn.Module,
+        final_layer: tuple[str, nn.Module, bool] | None,
+        compiled_as: nn.Module | None,
+        activation_max_abs: bool,
+    ) -> None:
+        """The final layer's activation norm and its norm's input (every step); the leaves'
+        max-abs on sampled steps, unless the model runs compiled."""
         self._act: ActivationNorm | None = None
         if final_layer is not None:
             self._act = ActivationNorm(self._on_error)
@@ -106,10 +137,14 @@ class AttachedHandle(StepSampling):
         self._act_max: ActivationMaxAbs | None = None
         if self._compiled:
             compiled.say_sampled_hooks_off()
-        elif activation_max_abs and optimizers:  # sent with layer statistics: automatic mode
+        elif activation_max_abs and self._optimizers:
+            # Sent with the layer statistics: automatic mode only.
             self._act_max = ActivationMaxAbs(model, self._on_error)
             self._act_max.arm()  # step 1 is sampled
             self._detach_actions.append(self._act_max.disarm)
+
+    def _hook_precision(self, model: nn.Module, compiled_as: nn.Module | None) -> None:
+        """The precision probe: autocast and FP8 modules, seen at the first forward."""
         device = next((p.device.type for p in model.parameters()), "cpu")
         self._probe = PrecisionProbe(device, self._on_precision, self._on_error)
         if compiled_as is None:
@@ -117,24 +152,20 @@ class AttachedHandle(StepSampling):
         elif compiled_as is not model:  # an OptimizedModule: its own hooks run eagerly
             self._probe.attach(model, root=compiled_as)
         self._detach_actions.append(self._probe.finish)
+
+    def _hook_steps(
+        self,
+        model: nn.Module,
+        optimizers: list[torch.optim.Optimizer],
+        scaler: torch.amp.GradScaler | None,
+    ) -> None:
+        """Where a step ends (the scaler's update, else the first optimizer's step) and the
+        loop's clips around it."""
         if optimizers:
             self._detach_actions.append(clipping.observe(self._on_clip))
         check: clipping.ScaledClipCheck | None = None
         if scaler is not None:
-            self._tap = ScalerTap(
-                scaler,
-                before_update=self._before_update,
-                after_update=self._emit,
-                on_error=self._on_error,
-                boundary=self._at_boundary,
-            )
-            self._tap.attach()
-            self._scaled_loss = self._tap.loss
-            self._detach_actions.append(self._tap.detach)
-            check = clipping.ScaledClipCheck(
-                scaler, optimizers, self._on_scaled_clip, self._on_error
-            )
-            self._detach_actions.append(clipping.register(check))
+            check = self._tap_scaler(scaler, optimizers)
         elif optimizers:
             # Several optimizers without a scaler: the first one's step is the training step.
             first = optimizers[0]
@@ -144,10 +175,25 @@ class AttachedHandle(StepSampling):
         if optimizers:  # after ScaledClipCheck: it runs first and flags still-scaled grads
             self._detach_actions.append(clipping.register(self._before_clip))
             self._tap_fsdp1_clip(model, check)
-        self._watched = [o for o in (model, *optimizers, scaler) if o is not None]
-        attached.update(self._watched)
-        atexit.register(self._at_exit)
-        self._detach_actions.insert(0, self._release)
+
+    def _tap_scaler(
+        self, scaler: torch.amp.GradScaler, optimizers: list[torch.optim.Optimizer]
+    ) -> clipping.ScaledClipCheck:
+        """The scaler's tap (a step per `update()`) and the check for a clip before
+        `unscale_`, which it returns."""
+        self._tap = ScalerTap(
+            scaler,
+            before_update=self._before_update,
+            after_update=self._emit,
+            on_error=self._on_error,
+            boundary=self._at_boundary,
+        )
+        self._tap.attach()
+        self._scaled_loss = self._tap.loss
+        self._detach_actions.append(self._tap.detach)
+        check = clipping.ScaledClipCheck(scaler, optimizers, self._on_scaled_clip, self._on_error)
+        self._detach_actions.append(clipping.register(check))
+        return check
 
     def log_loss(self, loss: torch.Tensor | float) -> None:
         if self._state is not Lifecycle.ATTACHED:

@@ -10,41 +10,12 @@ waiting (the same path as the gradient-range statistics). A CPU tensor is copied
 `_COPY_BYTES` a sample) and measured on the sender thread, off the training loop's path.
 The sender turns the counts into shares (`Fp8Sample.records`).
 
-Semantics (one home: `quantisation_counts`; the tests check them against torch's own
-`float8_e4m3fn` / `float8_e5m2` casts, group by group):
-
-- A tensor is viewed as 2-D (rows = every leading dim, columns = the last: a weight's input
-  channels, an activation's channels). `tensor`: one scale. `tile`: 1x128 along a row
-  (DeepSeek-V3's activations). `block`: 128x128 (DeepSeek-V3's weights). `mx`: 1x32 along a
-  row with an E8M0 (power-of-two) scale 2^e, e the smallest integer with amax <= fmax * 2^e
-  (clamped to [-127, 127]): the scale rounded up, as Transformer Engine's MXFP8 quantiser
-  does, so nothing saturates; OCP MX's floor(log2 amax) - emax rule would clip the top
-  ~0.4% of Gaussian data. A row or column that does not fill its last group makes a smaller
-  group (as zero padding would).
-- Current scaling (tensor, tile, block): scale s = fmax / amax in float32 (amax of the
-  group; s = 1 for an all-zero group), as Transformer Engine's current scaling and
-  DeepSeek-V3's `amax / 448` do. y = |x| * s in float32, then a saturating cast.
-- flush: x != 0 and the cast of y is 0; saturate: y rounds past fmax (a non-saturating
-  cast gives Inf/NaN; the saturating one clips to fmax), which these scalings never let
-  happen. Both over all elements (Transformer Engine's `underflows%` divides by numel too). error: ||dequantised - x||_2 / ||x||_2 over the tensor (0 for a zero tensor).
-- NaN and +-Inf elements are left out of the scales and of every count and norm (they are
-  neither flushed nor saturated, and count as zeros): the scaler skips such a step anyway,
-  and one Inf must not make the whole tensor look flushed.
-- spread: log2(max group amax / min non-zero group amax), in binary orders of magnitude:
-  how far apart the groups' scales are (0 when fewer than one non-zero group).
-
-Cost: no host sync; one read of each tensor for all eight combinations (`quantisation_counts`:
-group maxima once, then the eight scaled copies a slice at a time on reused buffers), the
-rounding done in float32 arithmetic equal to the casts (`_round_into`; torch's E4M3 ->
-float32 decode alone took ~10x as long on a CPU), the saturate count proven 0 rather than
-counted (`SATURATE_ABOVE`). `bench/fp8_overhead.py` measured it; see `DEFAULT_EVERY`.
+What a tensor's counts are, and how one read of it gives them: `ampwatch.agent.fp8_counts`.
 """
 
 from __future__ import annotations
 
-import functools
-import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -54,6 +25,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ampwatch.agent import shards, wire
 from ampwatch.agent.compiled import tracing
+from ampwatch.agent.fp8_counts import VALUES_PER_TENSOR, Workspace, quantisation_counts, shares
 
 #: One sample every 500 steps. `bench/fp8_overhead.py` (CPU, one torch thread, 2 cores
 #: shared with a load average of ~14) measured a step that samples against one that does
@@ -64,45 +36,9 @@ from ampwatch.agent.compiled import tracing
 #: FP8 readiness drifts over thousands of steps, not hundreds.
 DEFAULT_EVERY = 500
 
-#: name -> (torch dtype, largest finite value fmax, E with fmax = 0.875 * 2^E).
-FORMATS: dict[str, tuple[torch.dtype, float, int]] = {
-    "e4m3": (torch.float8_e4m3fn, 448.0, 9),
-    "e5m2": (torch.float8_e5m2, 57344.0, 16),
-}
-#: y saturates iff it rounds past the largest finite value: above 464 for E4M3 (the tie
-#: rounds to even, 448), at or above 61440 for E5M2 (the tie rounds up, to Inf). No element
-#: can under these scalings, so the count is 0 without a pass over the tensor: y = |x| * s
-#: is monotone in |x|, so a group's largest y is its amax's, and fl(amax * fl(fmax / amax))
-#: <= fmax + one float32 ulp (an MX scale is rounded up, so amax * 2^-e <= fmax exactly; a
-#: clamped scale, for a tiny amax, is smaller still). The tests check the 0 against the
-#: casts on values at and past both formats' limits.
-SATURATE_ABOVE: dict[str, float] = {"e4m3": 464.0, "e5m2": 61440.0 - 2.0**-8}
-#: name -> (mantissa bits, smallest normal value): what `_rounding_error` rounds to.
-ROUNDING: dict[str, tuple[int, float]] = {"e4m3": (3, 2.0**-6), "e5m2": (2, 2.0**-14)}
-_EXPONENT_BITS = 0x7F800000  # a float32's exponent field
-assert wire.FP8_SCALINGS[-1] == "mx", "group_scales puts the MX scales last"
-_MX = len(wire.FP8_SCALINGS) - 1
-#: Rows per slice of the eight-combination work: ~this many values of the tensor (x 8
-#: combinations x 3 float32 buffers = 12 MiB), so a large activation's work memory is
-#: bounded.
-_CHUNK_VALUES = 1 << 17
-#: The largest work buffer a `Workspace` keeps (64 MiB of float32).
-_KEEP_VALUES = 1 << 24
 #: The most bytes of CPU tensors one sample copies for the sender thread to measure (the
 #: rest it measures on the training thread).
 _COPY_BYTES = 1 << 28
-TILE = 128
-BLOCK = 128
-MX_GROUP = 32
-_E8M0_MIN, _E8M0_MAX = -127, 127
-_F32_MAX = torch.finfo(torch.float32).max
-
-#: Per tensor, the flat layout of the device vector: for each scaling, for each format,
-#: (flush count, saturate count, squared error); then ||x||^2; then one spread per
-#: grouped scaling (`wire.FP8_SPREAD_SCALINGS`).
-_PER_COMBO = 3
-_COMBOS = len(wire.FP8_SCALINGS) * len(wire.FP8_FORMATS)
-VALUES_PER_TENSOR = _COMBOS * _PER_COMBO + 1 + len(wire.FP8_SPREAD_SCALINGS)
 
 
 def check_options(every: int | None, recipe: str | None) -> None:
@@ -115,197 +51,6 @@ def check_options(every: int | None, recipe: str | None) -> None:
         raise ValueError(
             f"fp8_recipe must be one of {sorted(wire.FP8_RECIPES)} or None, got {recipe!r}"
         )
-
-
-def group_scales(amax: torch.Tensor) -> torch.Tensor:
-    """The multiplier s per group (float32) of every combination: amax [scalings, ...] (one
-    per `wire.FP8_SCALINGS`, broadcast to one shape) -> [scalings x formats, ...], in the
-    layout's order: fmax / amax for current scaling, 2^-(shared exponent) for MX; 1 for an
-    all-zero group.
-
-    >>> s = group_scales(torch.tensor([[2.0, 0.0, 600.0]]).expand(4, 3))
-    >>> s[-2:]  # MX, E4M3 then E5M2
-    tensor([[1.2800e+02, 1.0000e+00, 5.0000e-01],
-            [1.6384e+04, 1.0000e+00, 6.4000e+01]])
-    >>> group_scales(torch.full((4, 1), 3.6))[-2, 0]  # 3.6 * 128 > 448: rounded up
-    tensor(64.)
-    """
-    shape = (1, len(FORMATS)) + (1,) * (amax.dim() - 1)
-    fmax, top = (v.view(shape) for v in _constants(amax.device)[:2])
-    current = amax[:_MX, None]
-    # A true division (`fmax / tensor` with a Python float would multiply by a rounded
-    # reciprocal).
-    scales = [torch.div(fmax, current).clamp_(max=_F32_MAX)]
-    # Exactly, with amax = m * 2^e (m in [0.5, 1)): amax <= 0.875 * 2^(top + s) iff
-    # s >= e - top, plus one when m > 0.875.
-    mantissa, exponent = torch.frexp(amax[_MX:, None])
-    shared = (exponent - top + (mantissa > 0.875).int()).clamp_(_E8M0_MIN, _E8M0_MAX)
-    scales.append(torch.ldexp(torch.ones_like(shared, dtype=torch.float32), -shared))
-    scale = torch.cat(scales)
-    return torch.where(amax[:, None] > 0, scale, torch.ones_like(scale)).flatten(0, 1)
-
-
-class Workspace:
-    """The work buffers of `quantisation_counts`, kept from one tensor and one sample to
-    the next on a CPU: a fresh tensor there costs a page fault per 4 KiB on first touch,
-    which measured more than the arithmetic. On a GPU the caching allocator already
-    reuses memory, and a buffer held between samples would only take it from training.
-    Buffers over `_KEEP_VALUES` are not kept."""
-
-    def __init__(self) -> None:
-        self._buffers: dict[str, torch.Tensor] = {}
-
-    def take(self, name: str, shape: tuple[int, ...], device: torch.device) -> torch.Tensor:
-        """A float32 tensor of `shape` (contents undefined)."""
-        numel = math.prod(shape)
-        if device.type != "cpu" or numel > _KEEP_VALUES:
-            return torch.empty(shape, device=device)
-        buffer = self._buffers.get(name)
-        if buffer is None or buffer.numel() < numel:
-            buffer = self._buffers[name] = torch.empty(numel)
-        return buffer[:numel].view(shape)
-
-
-def _magnitudes(x: torch.Tensor, workspace: Workspace) -> torch.Tensor:
-    """|x| in float32 as [rows, columns rounded up to MX_GROUP], NaN/Inf as 0, zero padded:
-    the one copy every scaling reads (padding is zero, so it moves no count or norm)."""
-    flat = x.detach().reshape(1, -1) if x.dim() < 2 else x.detach().reshape(-1, x.shape[-1])
-    rows, cols = flat.shape
-    a = workspace.take("magnitudes", (rows, cols + -cols % MX_GROUP), flat.device)
-    if cols % MX_GROUP:
-        a[:, cols:] = 0
-    a[:, :cols] = flat
-    return torch.nan_to_num_(a.abs_(), 0.0, 0.0, 0.0)
-
-
-def _coarser(amax: torch.Tensor, width: int) -> torch.Tensor:
-    """Group maxima of `width` adjacent columns (the last one maybe narrower): the maxima
-    of the groups they are made of."""
-    pad = -amax.shape[1] % width
-    padded = torch.nn.functional.pad(amax, (0, pad)) if pad else amax
-    return padded.view(amax.shape[0], -1, width).amax(dim=-1)
-
-
-def _finer(amax: torch.Tensor, width: int, columns: int) -> torch.Tensor:
-    """Each group's value spread back to the `width` columns it is made of (`columns` of
-    them in all)."""
-    return amax.repeat_interleave(width, dim=1)[:, :columns]
-
-
-def quantisation_counts(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """Launch the FP8 reductions for one tensor; return its float64 device vector
-    (`VALUES_PER_TENSOR` values; layout above). Never syncs.
-
-    One read of the tensor: its magnitudes, once; every scaling's group maxima from the
-    1x32 groups' (a 1x128 tile is four of them, a 128x128 block 128 rows of tiles, the
-    tensor all blocks); then all eight combinations at once, a slice of rows at a time:
-    the scaled values, their rounding (`_round_into`), the flush count, and the squared
-    error summed per 1x32 group and brought back by that group's 1/s^2.
-
-    >>> v = quantisation_counts(torch.tensor([[1.0, 1e-6, 0.0]]))
-    >>> v[0].item(), v[1].item()  # per-tensor E4M3: 1e-6 * 448 < 2^-10 flushes; none saturate
-    (1.0, 0.0)
-    """
-    workspace = Workspace() if workspace is None else workspace
-    a = _magnitudes(x, workspace)
-    rows, cols = a.shape
-    groups = a.view(rows, cols // MX_GROUP, MX_GROUP)
-    mx_amax = groups.amax(dim=-1)  # [rows, 1x32 groups]
-    tile_amax = _coarser(mx_amax, TILE // MX_GROUP)  # [rows, tiles]
-    blocks = _coarser(tile_amax.T, BLOCK).T  # [row blocks, tiles]
-    per_tile = {  # every scaling's amax, spread to each 1x32 group it covers
-        "tensor": tile_amax.amax().expand_as(mx_amax),
-        "tile": _finer(tile_amax, TILE // MX_GROUP, mx_amax.shape[1]),
-        "block": _finer(_finer(blocks, TILE // MX_GROUP, mx_amax.shape[1]).T, BLOCK, rows).T,
-        "mx": mx_amax,
-    }
-    scale = group_scales(torch.stack([per_tile[s] for s in wire.FP8_SCALINGS]))
-    scale_sq = scale.double().square()  # float64: s^2 overflows float32 for tiny groups
-    step = max(1, _CHUNK_VALUES // cols)
-    shape = (_COMBOS, min(step, rows), *groups.shape[1:])
-    y, q, c = (workspace.take(name, shape, a.device) for name in ("y", "q", "c"))
-    sums: list[
-        torch.Tensor
-    ] = []  # per slice: [kept per combination, err^2 per combination, ||x||^2]
-    for start in range(0, rows, step):
-        n = min(step, rows - start)
-        ys, qs, cs = y[:, :n], q[:, :n], c[:, :n]
-        s_sq = scale_sq[:, start : start + n]
-        torch.mul(groups[start : start + n], scale[:, start : start + n, :, None], out=ys)
-        # ||x||^2 from the scaled values (|x|^2 underflows float32): per-tensor E4M3's,
-        # one scale for the tensor.
-        rows_y = ys[0].view(n, -1)
-        norm_sq = torch.linalg.vecdot(rows_y, rows_y).double().sum()[None] / s_sq[0, 0, 0]
-        _round_into(qs, cs, ys)
-        # Kept: q != 0. A sum of q's signs (0 or 1; exact in float32 up to 2^24 per slice)
-        # counts ~5x faster than count_nonzero(dim=...) on a CPU.
-        kept = torch.sign(qs, out=cs).sum(dim=(1, 2, 3)).double()
-        diff_sq = qs.sub_(ys).square_().sum(dim=-1)  # per 1x32 group, float32
-        err_sq = (diff_sq.double() / s_sq).sum(dim=(1, 2))
-        sums.append(torch.cat([kept, err_sq, norm_sq]))
-    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(dim=0)
-    flushed = a.count_nonzero() - total[:_COMBOS]  # x != 0 and q == 0
-    saturated = torch.zeros_like(flushed)  # none can: see SATURATE_ABOVE
-    counts = torch.stack([flushed, saturated, total[_COMBOS:-1]], dim=1).flatten()
-    # Spreads: every scaling's largest group amax is the tensor's.
-    smallest = {
-        name: torch.where(amax > 0, amax, math.inf).amin()
-        for name, amax in (("tile", tile_amax), ("block", blocks), ("mx", mx_amax))
-    }
-    top = per_tile["tensor"][0, 0]
-    low = torch.stack([smallest[name] for name in wire.FP8_SPREAD_SCALINGS])
-    spreads = torch.where(top > 0, torch.log2(top / low), 0.0).double()
-    return torch.cat([counts, total[-1:], spreads])
-
-
-def _round_into(q: torch.Tensor, c: torch.Tensor, y: torch.Tensor) -> None:
-    """q = y (>= 0, below the saturation threshold; [combinations, ...]) rounded to each
-    combination's format, to nearest-even, in float32 ops on the work buffers q and c,
-    without a float8 tensor: y + c - c rounds y to a multiple of c's ulp when
-    c = 2^(e + 23 - m) (e: y's exponent, no lower than the format's smallest normal
-    exponent, so subnormals round to their fixed step; m: its mantissa bits). Equal to
-    torch's saturating casts element for element (the tests check); the cast's E4M3 ->
-    float32 decode alone took ~10x this on a CPU."""
-    shape = (_COMBOS,) + (1,) * (y.dim() - 1)
-    _, _, smallest_normal, shift = _constants(y.device)
-    torch.clamp(y, min=smallest_normal.view(shape), out=c)
-    c.view(torch.int32).bitwise_and_(_EXPONENT_BITS).add_(shift.view(shape))
-    torch.add(y, c, out=q).sub_(c)
-
-
-@functools.cache
-def _constants(device: torch.device) -> tuple[torch.Tensor, ...]:
-    """Per format: fmax, E (fmax = 0.875 * 2^E); per combination: the smallest normal
-    value, the exponent shift 23 - m in place (`_round_into`). Made once per device."""
-    fmax = torch.tensor([f[1] for f in FORMATS.values()], device=device)
-    top = torch.tensor([f[2] for f in FORMATS.values()], device=device, dtype=torch.int32)
-    rounding = [ROUNDING[fmt] for _ in wire.FP8_SCALINGS for fmt in wire.FP8_FORMATS]
-    smallest_normal = torch.tensor([r[1] for r in rounding], device=device)
-    shift = torch.tensor([(23 - r[0]) << 23 for r in rounding], device=device, dtype=torch.int32)
-    return fmax, top, smallest_normal, shift
-
-
-def shares(values: Sequence[float], numel: int) -> dict[str, float]:
-    """Host side: one tensor's `quantisation_counts` -> {"{fmt}_{scaling}_{metric}": v,
-    "{scaling}_spread": v}, the suffixes of `wire.fp8_stat` names.
-
-    >>> s = shares([0.0] * 24 + [0.0, 0.0, 0.0, 0.0], 4)
-    >>> s["e4m3_tensor_flush"], s["e4m3_tensor_error"], s["tile_spread"]
-    (0.0, 0.0, 0.0)
-    """
-    out: dict[str, float] = {}
-    norm_sq = values[_COMBOS * _PER_COMBO]
-    i = 0
-    for scaling in wire.FP8_SCALINGS:
-        for fmt in wire.FP8_FORMATS:
-            flush, saturate, err_sq = values[i : i + _PER_COMBO]
-            i += _PER_COMBO
-            out[f"{fmt}_{scaling}_flush"] = flush / numel
-            out[f"{fmt}_{scaling}_saturate"] = saturate / numel
-            out[f"{fmt}_{scaling}_error"] = math.sqrt(err_sq / norm_sq) if norm_sq > 0 else 0.0
-    for j, scaling in enumerate(wire.FP8_SPREAD_SCALINGS):
-        out[f"{scaling}_spread"] = values[_COMBOS * _PER_COMBO + 1 + j]
-    return out
 
 
 @dataclass(frozen=True, slots=True)

@@ -11,6 +11,7 @@ as the user's model names them. Anything else is a `TypeError` that says what is
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any, cast
 
 import torch
@@ -90,3 +91,37 @@ def unwrap_model(model: object) -> nn.Module:
         else:
             break
     return current
+
+
+def watched_objects(
+    model: nn.Module,
+    optimizer: torch.optim.Optimizer | Sequence[torch.optim.Optimizer] | None,
+    scaler: torch.amp.GradScaler | None,
+    accelerator: Any,
+) -> tuple[nn.Module, list[torch.optim.Optimizer], torch.amp.GradScaler | None]:
+    """The module the model runs, the torch optimizers, and the scaler: the one given, else
+    the one a wrapped optimizer steps through, else the accelerator's."""
+    optimizers = _optimizer_list(optimizer)
+    if scaler is None:
+        scaler = next((s for o in _as_list(optimizer) if (s := wrapped_scaler(o))), None)
+    if accelerator is not None and scaler is None:
+        scaler = getattr(accelerator, "scaler", None)
+    return unwrap_model(model), optimizers, scaler
+
+
+def _as_list(optimizer: object) -> list[object]:
+    if optimizer is None:
+        return []
+    if isinstance(optimizer, Sequence) and not isinstance(optimizer, str):
+        return list(optimizer)
+    return [optimizer]
+
+
+def _optimizer_list(optimizer: object) -> list[torch.optim.Optimizer]:
+    """The torch optimizers to hook, unwrapped; TypeError naming what is supported."""
+    try:
+        return [unwrap_optimizer(o) for o in _as_list(optimizer)]
+    except TypeError:
+        raise TypeError(
+            f"optimizer must be {SUPPORTED_OPTIMIZERS}, got {type(optimizer).__name__}"
+        ) from None

@@ -42,7 +42,8 @@ sys.path.insert(0, str(Path(__file__).parent))
 from agent_overhead import _setup, _train_step
 
 from ampwatch.agent import watch
-from ampwatch.agent.fp8 import DEFAULT_EVERY, Workspace, quantisation_counts
+from ampwatch.agent.fp8 import DEFAULT_EVERY
+from ampwatch.agent.fp8_counts import Workspace, quantisation_counts
 
 TENSOR_SIZES = ((200, 333), (1024, 256), (1024, 1024), (4096, 1024))
 MODELS = ("0.1M", "3M", "linear5")

@@ -14,12 +14,11 @@ from agent_fakes import FakeCollector
 from torch import nn
 
 from ampwatch.agent import fp8, watch, wire
-from ampwatch.agent.fp8 import (
+from ampwatch.agent.fp8 import Fp8Monitor, check_options
+from ampwatch.agent.fp8_counts import (
     FORMATS,
     VALUES_PER_TENSOR,
-    Fp8Monitor,
     Workspace,
-    check_options,
     quantisation_counts,
     shares,
 )
