@@ -8,7 +8,7 @@ g·S, so each bin is drawn at log2|g·S| = f - 127 + log2 S: the formats' ranges
 the histogram slides against them as the scale moves, and the part left of 2^-24 is what
 FP16 would flush to zero (the underflow cliff).
 
-    >>> from ampwatch.dashboard.client import LayerHistograms
+    >>> from ampwatch.dashboard.series_types import LayerHistograms
     >>> hists = LayerHistograms("fc.weight", [10], [100], [[1, 3]])
     >>> exponent_histogram_figure(hists, [2.0**10]).data[0].x
     (-16.5, -15.5)
@@ -24,7 +24,6 @@ from typing import Any
 import plotly.graph_objects as go
 
 from ampwatch.agent.wire import EXPONENT_BIAS, EXPONENT_HISTOGRAM_BINS, FP16_MAX
-from ampwatch.dashboard.client import LayerHistograms, LayerSeries
 from ampwatch.dashboard.figure_common import (
     STEP_AXIS_TITLE,
     empty_figure,
@@ -34,6 +33,7 @@ from ampwatch.dashboard.figure_common import (
     plot_values,
     two_rows,
 )
+from ampwatch.dashboard.series_types import LayerHistograms, LayerSeries
 
 ZERO_FIELD = 0
 NON_FINITE_FIELD = EXPONENT_HISTOGRAM_BINS - 1

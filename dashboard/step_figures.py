@@ -9,7 +9,7 @@ each step against. Nothing here computes a baseline of its own, so a point drawn
 line is a step the rule judged above it (`ampwatch.server.series`: the downsampled line is
 exact both ways against a bucket's maximum).
 
-    >>> from ampwatch.dashboard.client import StepSeries
+    >>> from ampwatch.dashboard.series_types import StepSeries
     >>> series = StepSeries.from_json({"step": [1, 2], "loss_scale": [65536.0, 32768.0],
     ...                                "skipped": [False, True]})
     >>> loss_scale_figure(series).layout.yaxis.type
@@ -25,7 +25,6 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import AbandonedTail, Alert, RuleLines, StepSeries
 from ampwatch.dashboard.figure_common import (
     ABANDONED_COLOR,
     CHECKPOINT_COLOR,
@@ -45,6 +44,8 @@ from ampwatch.dashboard.figure_common import (
     plot_values,
     two_rows,
 )
+from ampwatch.dashboard.run_types import Alert
+from ampwatch.dashboard.series_types import AbandonedTail, RuleLines, StepSeries
 
 #: Verdicts of the restart advisor, as drawn on the loss-scale chart.
 RECOMMENDED = "recommended"
@@ -405,7 +406,7 @@ def scale_lines(lines: RuleLines | None) -> list[tuple[str, float, str]]:
     loss_scale_collapse's min_scale, and where the run reported its scaler's floor, that
     floor and the headroom line above it (a skip below it collapses at once).
 
-    >>> from ampwatch.dashboard.client import RuleLines
+    >>> from ampwatch.dashboard.series_types import RuleLines
     >>> [name for name, _, _ in scale_lines(RuleLines(None, True, 2.0, 10.0, 128, 50, 1.0,
     ...                                                2.0**-4, 4, 1.0))]
     ['min_scale (loss_scale_collapse)', 'scaler floor (run_start)', 'floor x 2^4 (loss_scale_collapse)']

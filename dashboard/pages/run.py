@@ -39,20 +39,14 @@ from dash.exceptions import PreventUpdate
 from ampwatch.dashboard import alert_figures, figure_common, heatmap_figures, ids, step_figures
 from ampwatch.dashboard.client import (
     HEATMAP_STEPS,
-    STEP_COLUMNS,
     STEP_POINTS,
-    AbandonedTail,
-    Alert,
     CollectorClient,
     CollectorError,
-    LayerMatrix,
-    RestartAdvice,
-    RunEvent,
     RunNotFound,
-    RunSummary,
-    StepSeries,
 )
 from ampwatch.dashboard.pages.runs import age_seconds, format_age, format_rate, health_badge
+from ampwatch.dashboard.run_types import Alert, RestartAdvice, RunEvent, RunSummary
+from ampwatch.dashboard.series_types import STEP_COLUMNS, AbandonedTail, LayerMatrix, StepSeries
 from ampwatch.dashboard.urls import href, layer_path
 
 REFRESH_MS = 5_000

@@ -15,7 +15,8 @@ from ampwatch.dashboard import (
     heatmap_figures,
     step_figures,
 )
-from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
+from ampwatch.dashboard.run_types import Alert
+from ampwatch.dashboard.series_types import LayerMatrix, StepSeries
 
 
 def trace(figure: go.Figure, name: str) -> Any:
