@@ -36,7 +36,14 @@ import plotly.graph_objects as go
 from dash import Input, Output, Patch, State, ctx, dcc, html
 from dash.exceptions import PreventUpdate
 
-from ampwatch.dashboard import alert_figures, figure_common, heatmap_figures, ids, step_figures
+from ampwatch.dashboard import (
+    alert_figures,
+    figure_common,
+    heatmap_figures,
+    ids,
+    loss_scale_figures,
+    step_figures,
+)
 from ampwatch.dashboard.client import (
     HEATMAP_STEPS,
     STEP_POINTS,
@@ -527,7 +534,7 @@ def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> h
             [
                 html.Td("—" if c.step is None else f"{c.step:,}", className="num"),
                 html.Td(
-                    ("★ " if c.verdict == step_figures.RECOMMENDED else "") + c.verdict,
+                    ("★ " if c.verdict == loss_scale_figures.RECOMMENDED else "") + c.verdict,
                     className=f"verdict-{c.verdict}",
                 ),
                 html.Td("; ".join(c.reasons)),
@@ -593,7 +600,7 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     abandoned = [AbandonedTail.from_json(t) for t in data.get("abandoned") or []]
     return (
         run_header(run),
-        step_figures.loss_scale_figure(
+        loss_scale_figures.loss_scale_figure(
             steps,
             checkpoints=checkpoints,
             alerts=alerts or (),
