@@ -30,7 +30,7 @@ from dash import Input, Output, State, dcc, html
 
 from ampwatch.dashboard import ids, plotly_bundle
 from ampwatch.dashboard.client import CollectorClient
-from ampwatch.dashboard.pages import compare, fp8, layer, run, runs
+from ampwatch.dashboard.pages import compare, fp8, layer, run, run_store, runs
 from ampwatch.dashboard.prefetch import Prefetcher
 from ampwatch.dashboard.urls import compare_path, fp8_path, href, page_path, query_ints, run_path
 
@@ -339,7 +339,7 @@ def create_dash_app(
         index_string=index_string(requests_pathname_prefix, bundled=bundle is not None),
     )
     prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
-        lambda run_id: run.fetch_run_data(client, run_id)
+        lambda run_id: run_store.fetch_run_data(client, run_id)
     )
     add_server_hooks(app, prefetcher, bundle)
     router = Router(app, client, prefetcher)
