@@ -7,7 +7,6 @@ from typing import Any
 
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import Alert
 from ampwatch.dashboard.figure_common import (
     MARGIN,
     SEVERITY_COLORS,
@@ -18,6 +17,7 @@ from ampwatch.dashboard.figure_common import (
     figure_of,
 )
 from ampwatch.dashboard.heatmap_figures import label_margin, row_ticks
+from ampwatch.dashboard.run_types import Alert
 
 
 def alert_label(alert: Alert) -> str:

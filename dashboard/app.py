@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import logging
 import re
+from pathlib import Path
 from typing import Any
 from urllib.parse import unquote, urlsplit
 
@@ -29,7 +30,7 @@ from dash import Input, Output, State, dcc, html
 
 from ampwatch.dashboard import ids, plotly_bundle
 from ampwatch.dashboard.client import CollectorClient
-from ampwatch.dashboard.pages import compare, fp8, layer, run, runs
+from ampwatch.dashboard.pages import compare, fp8, layer, run, run_store, runs
 from ampwatch.dashboard.prefetch import Prefetcher
 from ampwatch.dashboard.urls import compare_path, fp8_path, href, page_path, query_ints, run_path
 
@@ -158,47 +159,34 @@ tr.candidate-rejected { color: #6b7280; }
 </html>"""
 
 
-def create_dash_app(
-    api_url: str,
-    *,
-    requests_pathname_prefix: str = "/",
-    transport: httpx.BaseTransport | None = None,
-    token: str | None = None,
-) -> dash.Dash:
-    """A dashboard reading from the collector at `api_url`.
-
-    Mounted under a prefix (the collector mounts it at `/dashboard` through a2wsgi, which
-    passes the prefix as SCRIPT_NAME), give that prefix as `requests_pathname_prefix`:
-    the browser needs it in every URL, while Flask's routes stay at `/`.
-    `transport` is for tests (`httpx.MockTransport`); `token` is sent as a bearer token
-    to a collector that requires one.
-    """
-    client = CollectorClient(api_url, transport=transport, token=token)
-    bundle = plotly_bundle.cartesian_bundle()
-    plotly_url = requests_pathname_prefix + (
-        BUNDLE_ROUTE if bundle else "_dash-component-suites/plotly/package_data/plotly.min.js"
+def index_string(prefix: str, bundled: bool) -> str:
+    """The page's HTML under mount `prefix`: the natives saved before Dash's scripts
+    (`NATIVES`), dcc's eager chunks before the renderer (`EAGER_CHUNKS`), plotly.js loaded
+    after it (`PLOTLY_LOADER`): the cartesian bundle when there is one (`bundled`), else
+    the full plotly.js that Dash ships."""
+    plotly_url = prefix + (
+        BUNDLE_ROUTE if bundled else "_dash-component-suites/plotly/package_data/plotly.min.js"
     )
     chunks = "".join(
-        f'<script src="{requests_pathname_prefix}_dash-component-suites/dash/dcc/{name}"></script>'
+        f'<script src="{prefix}_dash-component-suites/dash/dcc/{name}"></script>'
         for name in EAGER_CHUNKS
     )
-    app = dash.Dash(
-        __name__,
-        requests_pathname_prefix=requests_pathname_prefix,
-        routes_pathname_prefix="/",
-        title="ampwatch",
-        update_title="",  # keep the tab title steady while the page refreshes
-        index_string=INDEX_STRING.replace("<head>", "<head>\n" + NATIVES, 1)
+    return (
+        INDEX_STRING.replace("<head>", "<head>\n" + NATIVES, 1)
         .replace("</head>", PLOTLY_LOADER % plotly_url + "</head>")
-        .replace("{%renderer%}", chunks + "{%renderer%}"),
-    )
-    # A run page's data is read while its HTML's scripts load (`prefetch`); the page's
-    # layout takes it. Flask's request.path is the path below the mount's prefix.
-    prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
-        lambda run_id: run.fetch_run_data(client, run_id)
+        .replace("{%renderer%}", chunks + "{%renderer%}")
     )
 
+
+def add_server_hooks(
+    app: dash.Dash, prefetcher: Prefetcher[int, dict[str, Any]], bundle: Path | None
+) -> None:
+    """On the app's Flask server: a run page's data read while its HTML's scripts load
+    (`prefetch`; the page's layout takes it), `_dash-layout` kept out of caches, and the
+    cartesian plotly.js `bundle` served (when there is one)."""
+
     def prefetch() -> None:
+        # Flask's request.path is the path below the mount's prefix.
         if flask.request.method == "GET" and (
             match := RUN_PATH.match(flask.request.path.lstrip("/"))
         ):
@@ -223,8 +211,24 @@ def create_dash_app(
             lambda: flask.send_file(bundle, mimetype="text/javascript", max_age=31_536_000),
         )
 
-    def page_at(pathname: str | None, search: str | None) -> Any:
+
+class Router:
+    """Which page a browser URL shows, and the app's frame around it: for the initial
+    layout (`initial_layout`) and for the router callback (`page_at`)."""
+
+    def __init__(
+        self,
+        app: dash.Dash,
+        client: CollectorClient,
+        prefetcher: Prefetcher[int, dict[str, Any]],
+    ) -> None:
+        self.app = app
+        self.client = client
+        self.prefetcher = prefetcher
+
+    def page_at(self, pathname: str | None, search: str | None) -> Any:
         """The page at browser path `pathname` with query `search`."""
+        app, client = self.app, self.client
         path = page_path(app, pathname)
         if path == "":
             return runs.layout()
@@ -233,7 +237,7 @@ def create_dash_app(
             return run.layout(
                 run_id=run_id,
                 client=client,
-                data=prefetcher.take(run_id),
+                data=self.prefetcher.take(run_id),
                 fp8_href=href(app, fp8_path(run_id)),
             )
         if match := FP8_PATH.match(path):
@@ -256,14 +260,14 @@ def create_dash_app(
             ]
         )
 
-    def shell(url: str | None = None) -> html.Div:
+    def shell(self, url: str | None = None) -> html.Div:
         """The app's frame, holding the page at browser URL `url` (None: empty, and the
         router fills it once the `dcc.Location` has read the browser's URL)."""
         drawn = content = None
         if url is not None:
             parts = urlsplit(url)
             search = f"?{parts.query}" if parts.query else ""
-            content = page_at(parts.path, search)
+            content = self.page_at(parts.path, search)
             drawn = parts.path + search
         return html.Div(
             [
@@ -274,8 +278,8 @@ def create_dash_app(
                 dcc.Store(id=ids.ROUTE),
                 html.Nav(
                     [
-                        dcc.Link("ampwatch", href=href(app, "/")),
-                        dcc.Link("compare", href=href(app, compare_path([])), className="nav"),
+                        dcc.Link("ampwatch", href=href(self.app, "/")),
+                        dcc.Link("compare", href=href(self.app, compare_path([])), className="nav"),
                     ],
                     className="topbar",
                 ),
@@ -283,7 +287,7 @@ def create_dash_app(
             ]
         )
 
-    def initial_layout() -> html.Div:
+    def initial_layout(self) -> html.Div:
         """What `_dash-layout` serves. The browser sends that request with the page's URL
         as its Referer (same-origin), so the page comes with the layout: the first render
         skips a router round trip (~200 ms of idle browser). The browser then checks the
@@ -292,7 +296,7 @@ def create_dash_app(
         page. Without a Referer of this app, or when drawing the page fails, the frame
         comes empty and the router fills it."""
         referrer = flask.request.referrer if flask.has_request_context() else None
-        prefix = app.config.requests_pathname_prefix
+        prefix = self.app.config.requests_pathname_prefix
         # Dash also calls the layout function once for its own checks, in whatever
         # request comes first: only the layout's own request draws a page.
         if (
@@ -301,21 +305,53 @@ def create_dash_app(
             and flask.request.path == "/_dash-layout"
         ):
             try:
-                return shell(referrer)
+                return self.shell(referrer)
             except Exception:  # a page's bug must not take the whole app down with it
                 log.exception(
                     "drawing %s into the initial layout failed; the router will draw it", referrer
                 )
-        return shell()
+        return self.shell()
+
+
+def create_dash_app(
+    api_url: str,
+    *,
+    requests_pathname_prefix: str = "/",
+    transport: httpx.BaseTransport | None = None,
+    token: str | None = None,
+) -> dash.Dash:
+    """A dashboard reading from the collector at `api_url`.
+
+    Mounted under a prefix (the collector mounts it at `/dashboard` through a2wsgi, which
+    passes the prefix as SCRIPT_NAME), give that prefix as `requests_pathname_prefix`:
+    the browser needs it in every URL, while Flask's routes stay at `/`.
+    `transport` is for tests (`httpx.MockTransport`); `token` is sent as a bearer token
+    to a collector that requires one.
+    """
+    client = CollectorClient(api_url, transport=transport, token=token)
+    bundle = plotly_bundle.cartesian_bundle()
+    app = dash.Dash(
+        __name__,
+        requests_pathname_prefix=requests_pathname_prefix,
+        routes_pathname_prefix="/",
+        title="ampwatch",
+        update_title="",  # keep the tab title steady while the page refreshes
+        index_string=index_string(requests_pathname_prefix, bundled=bundle is not None),
+    )
+    prefetcher: Prefetcher[int, dict[str, Any]] = Prefetcher(
+        lambda run_id: run_store.fetch_run_data(client, run_id)
+    )
+    add_server_hooks(app, prefetcher, bundle)
+    router = Router(app, client, prefetcher)
 
     # Callbacks target ids that exist only once their page is shown; the validation
     # layout lists every page so Dash still checks each id instead of suppressing errors.
     # (Dash annotates `validation_layout` as None, though it documents a component.)
     # Set before the layout: Dash would otherwise call the layout function to make one.
     app.validation_layout = html.Div(  # type: ignore[assignment]
-        [shell(), *(page.layout() for page in PAGES)]
+        [router.shell(), *(page.layout() for page in PAGES)]
     )
-    app.layout = initial_layout
+    app.layout = router.initial_layout
 
     app.clientside_callback(  # type: ignore[no-untyped-call]
         ROUTE_GUARD,
@@ -329,7 +365,7 @@ def create_dash_app(
 
     @app.callback(Output(ids.PAGE, "children"), Input(ids.ROUTE, "data"), prevent_initial_call=True)
     def route(where: dict[str, Any]) -> Any:
-        return page_at(where.get("pathname"), where.get("search"))
+        return router.page_at(where.get("pathname"), where.get("search"))
 
     for page in PAGES:
         page.register_callbacks(app, client)

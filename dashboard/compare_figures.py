@@ -9,7 +9,6 @@ from typing import Any
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import StepSeries
 from ampwatch.dashboard.figure_common import (
     STEP_AXIS_TITLE,
     _title,
@@ -19,6 +18,7 @@ from ampwatch.dashboard.figure_common import (
     plot_steps,
     plot_values,
 )
+from ampwatch.dashboard.series_types import StepSeries
 
 #: A distinct colour per run on the compare page (colour-blind-safe Okabe-Ito order).
 RUN_COLORS = ("#0072B2", "#D55E00", "#009E73", "#CC79A7", "#E69F00", "#56B4E9", "#000000")

@@ -10,7 +10,6 @@ import numpy as np
 import numpy.typing as npt
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import LayerMatrix
 from ampwatch.dashboard.figure_common import (
     FROZEN_COLOR,
     MARGIN,
@@ -21,6 +20,7 @@ from ampwatch.dashboard.figure_common import (
     figure_of,
     plot_values,
 )
+from ampwatch.dashboard.series_types import LayerMatrix
 
 # Zero-gradient fraction: pale to dark blue as a layer's share of exact zeros grows, and a
 # jump to red only at exactly 1.0, so a frozen layer stands out from a merely sparse one.

@@ -8,7 +8,7 @@ g·S, so each bin is drawn at log2|g·S| = f - 127 + log2 S: the formats' ranges
 the histogram slides against them as the scale moves, and the part left of 2^-24 is what
 FP16 would flush to zero (the underflow cliff).
 
-    >>> from ampwatch.dashboard.client import LayerHistograms
+    >>> from ampwatch.dashboard.series_types import LayerHistograms
     >>> hists = LayerHistograms("fc.weight", [10], [100], [[1, 3]])
     >>> exponent_histogram_figure(hists, [2.0**10]).data[0].x
     (-16.5, -15.5)
@@ -24,7 +24,6 @@ from typing import Any
 import plotly.graph_objects as go
 
 from ampwatch.agent.wire import EXPONENT_BIAS, EXPONENT_HISTOGRAM_BINS, FP16_MAX
-from ampwatch.dashboard.client import LayerHistograms, LayerSeries
 from ampwatch.dashboard.figure_common import (
     STEP_AXIS_TITLE,
     empty_figure,
@@ -34,6 +33,7 @@ from ampwatch.dashboard.figure_common import (
     plot_values,
     two_rows,
 )
+from ampwatch.dashboard.series_types import LayerHistograms, LayerSeries
 
 ZERO_FIELD = 0
 NON_FINITE_FIELD = EXPONENT_HISTOGRAM_BINS - 1
@@ -150,9 +150,11 @@ def scale_exponent(scale: float | None) -> float:
     return math.log2(scale)
 
 
-def _histogram_bars(
-    offset: int, counts: Sequence[int], shift: float
-) -> tuple[list[float], list[float], str]:
+#: A histogram's frame as drawn: bar centres (log2|g·S|), shares, the note on the rest.
+Bars = tuple[list[float], list[float], str]
+
+
+def _histogram_bars(offset: int, counts: Sequence[int], shift: float) -> Bars:
     """Bar centres (log2|g·S|), shares of all elements, and the note on what is not a bar."""
     total = sum(counts) or 1
     x: list[float] = []
@@ -180,38 +182,21 @@ def _frame_title(layer: str, step: int, scale: float | None, note: str) -> dict[
     }
 
 
-def exponent_histogram_figure(
-    hists: LayerHistograms, scales: Sequence[float | None], *, active: int | None = None
-) -> go.Figure:
-    """The layer's exponent histogram at each of `hists.steps` (`scales[i]`: the loss scale
-    at that step), as animation frames with a step slider and a play button, over the
-    format ruler. `active`: the frame shown first (default: the latest)."""
-    title = "Gradient exponent histogram"
-    if not hists.steps:
-        return empty_figure(title, "No exponent histograms sampled for this layer yet.")
-    active = len(hists.steps) - 1 if active is None else max(0, min(active, len(hists.steps) - 1))
-    frames_data = [
-        _histogram_bars(offset, counts, scale_exponent(scale))
-        for offset, counts, scale in zip(hists.offsets, hists.counts, scales, strict=True)
-    ]
-    shown = [x for xs, _, _ in frames_data for x in xs]
+def _axis_ranges(frames: Sequence[Bars]) -> tuple[float, float, float]:
+    """(x low, x high, y high) that hold every frame's bars, FP16's whole range with a
+    margin included: the axes stay put while the animation plays."""
+    shown = [x for xs, _, _ in frames for x in xs]
     x_low = min([*shown, MIN_X_RANGE[0] + 0.5]) - 1.5
     x_high = max([*shown, MIN_X_RANGE[1] - 0.5]) + 1.5
-    y_high = max([y for _, ys, _ in frames_data for y in ys] or [1.0]) * 1.1
+    y_high = max([y for _, ys, _ in frames for y in ys] or [1.0]) * 1.1
+    return x_low, x_high, y_high
 
-    x, y, note = frames_data[active]
+
+def _ruler_traces() -> list[dict[str, Any]]:
+    """The format ruler under the histogram: each format's normal range solid, its
+    subnormal range paler."""
     names = [f.name for f in FORMATS]
-    data: list[dict[str, Any]] = [
-        {
-            "type": "bar",
-            "x": x,
-            "y": y,
-            "width": 0.9,
-            "name": "share of elements",
-            "marker": {"color": BAR_COLOR},
-            "hovertemplate": "|g·S| ≈ 2^%{x:.0f}: %{y:.2%}<extra></extra>",
-        },
-        # The ruler: each format's normal range solid, its subnormal range paler.
+    return [
         {
             "type": "bar",
             "orientation": "h",
@@ -243,7 +228,11 @@ def exponent_histogram_figure(
             "<extra></extra>",
         },
     ]
-    # On the histogram itself, FP16's zones: the cliff below 2^-24, overflow above 65504.
+
+
+def _fp16_zones(x_low: float, x_high: float) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
+    """(bands, labels) of FP16's zones on the histogram itself: the cliff below 2^-24, the
+    subnormal and normal ranges, overflow above 65504."""
     zones = (
         (x_low, FP16.min_subnormal, FLUSH_COLOR, 0.12, "flushes to 0 in FP16"),
         (FP16.min_subnormal, FP16.min_normal, SUBNORMAL_COLOR, 0.25, "FP16 subnormal"),
@@ -280,6 +269,76 @@ def exponent_histogram_figure(
         }
         for x0, _, _, _, label in zones
     ]
+    return shapes, annotations
+
+
+def _animation_controls(steps: Sequence[int], active: int) -> dict[str, Any]:
+    """The layout's step slider (at frame `active`) and play / pause buttons."""
+    redraw = {
+        "frame": {"duration": 0, "redraw": True},
+        "mode": "immediate",
+        "transition": {"duration": 0},
+    }
+    play = {**redraw, "frame": {"duration": 400, "redraw": True}, "fromcurrent": True}
+    return {
+        "sliders": [
+            {
+                "active": active,
+                "currentvalue": {"prefix": "step "},
+                "pad": {"t": 64},
+                "steps": [
+                    {"label": f"{step:,}", "method": "animate", "args": [[str(step)], redraw]}
+                    for step in steps
+                ],
+            }
+        ],
+        "updatemenus": [
+            {
+                "type": "buttons",
+                "direction": "left",
+                "x": 0,
+                "y": 0,
+                "xanchor": "right",
+                "yanchor": "top",
+                "pad": {"t": 84, "r": 10},
+                "buttons": [
+                    {"label": "▶ play", "method": "animate", "args": [None, play]},
+                    {"label": "❚❚", "method": "animate", "args": [[None], redraw]},
+                ],
+            }
+        ],
+    }
+
+
+def exponent_histogram_figure(
+    hists: LayerHistograms, scales: Sequence[float | None], *, active: int | None = None
+) -> go.Figure:
+    """The layer's exponent histogram at each of `hists.steps` (`scales[i]`: the loss scale
+    at that step), as animation frames with a step slider and a play button, over the
+    format ruler. `active`: the frame shown first (default: the latest)."""
+    title = "Gradient exponent histogram"
+    if not hists.steps:
+        return empty_figure(title, "No exponent histograms sampled for this layer yet.")
+    active = len(hists.steps) - 1 if active is None else max(0, min(active, len(hists.steps) - 1))
+    frames_data = [
+        _histogram_bars(offset, counts, scale_exponent(scale))
+        for offset, counts, scale in zip(hists.offsets, hists.counts, scales, strict=True)
+    ]
+    x_low, x_high, y_high = _axis_ranges(frames_data)
+    x, y, note = frames_data[active]
+    data: list[dict[str, Any]] = [
+        {
+            "type": "bar",
+            "x": x,
+            "y": y,
+            "width": 0.9,
+            "name": "share of elements",
+            "marker": {"color": BAR_COLOR},
+            "hovertemplate": "|g·S| ≈ 2^%{x:.0f}: %{y:.2%}<extra></extra>",
+        },
+        *_ruler_traces(),
+    ]
+    shapes, annotations = _fp16_zones(x_low, x_high)
     frames = [
         {
             "name": str(step),
@@ -289,11 +348,6 @@ def exponent_histogram_figure(
         }
         for step, scale, (fx, fy, fnote) in zip(hists.steps, scales, frames_data, strict=True)
     ]
-    redraw = {
-        "frame": {"duration": 0, "redraw": True},
-        "mode": "immediate",
-        "transition": {"duration": 0},
-    }
     layout = two_rows(0.72, gap=0.04)
     layout["xaxis"].update(range=[x_low, x_high])
     layout["xaxis2"].update(
@@ -311,42 +365,6 @@ def exponent_histogram_figure(
         margin={"l": 80, "r": 30, "t": 90, "b": 130},
         shapes=shapes,
         annotations=annotations,
-        sliders=[
-            {
-                "active": active,
-                "currentvalue": {"prefix": "step "},
-                "pad": {"t": 64},
-                "steps": [
-                    {"label": f"{step:,}", "method": "animate", "args": [[str(step)], redraw]}
-                    for step in hists.steps
-                ],
-            }
-        ],
-        updatemenus=[
-            {
-                "type": "buttons",
-                "direction": "left",
-                "x": 0,
-                "y": 0,
-                "xanchor": "right",
-                "yanchor": "top",
-                "pad": {"t": 84, "r": 10},
-                "buttons": [
-                    {
-                        "label": "▶ play",
-                        "method": "animate",
-                        "args": [
-                            None,
-                            {
-                                **redraw,
-                                "frame": {"duration": 400, "redraw": True},
-                                "fromcurrent": True,
-                            },
-                        ],
-                    },
-                    {"label": "❚❚", "method": "animate", "args": [[None], redraw]},
-                ],
-            }
-        ],
+        **_animation_controls(hists.steps, active),
     )
     return figure_of(data, layout, frames)

@@ -1,7 +1,7 @@
 """The run page's step charts, pure functions from decoded API data to plotly figures:
-the loss scale (with skipped steps, checkpoints, alerts, and the scale lines its rules
-judge by), skip rate, gradient norm and activation norm (with activation_norm_spike's own
-firing threshold).
+skip rate, gradient norm and activation norm (with activation_norm_spike's own firing
+threshold), and the tails a resume abandoned, greyed under the live branch. The loss-scale
+chart, with the scale lines its rules judge by, is `ampwatch.dashboard.loss_scale_figures`.
 
 The rule lines come from the collector with the series (`StepSeries.rule_lines`,
 `act_threshold`): the run's effective settings and the threshold the rule engine judged
@@ -9,47 +9,34 @@ each step against. Nothing here computes a baseline of its own, so a point drawn
 line is a step the rule judged above it (`ampwatch.server.series`: the downsampled line is
 exact both ways against a bucket's maximum).
 
-    >>> from ampwatch.dashboard.client import StepSeries
-    >>> series = StepSeries.from_json({"step": [1, 2], "loss_scale": [65536.0, 32768.0],
-    ...                                "skipped": [False, True]})
-    >>> loss_scale_figure(series).layout.yaxis.type
+    >>> from ampwatch.dashboard.series_types import StepSeries
+    >>> series = StepSeries.from_json({"step": [1, 2], "grad_norm": [0.5, 4.0]})
+    >>> grad_norm_figure(series).layout.yaxis.type
     'log'
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
 import plotly.graph_objects as go
 
-from ampwatch.dashboard.client import AbandonedTail, Alert, RuleLines, StepSeries
 from ampwatch.dashboard.figure_common import (
     ABANDONED_COLOR,
-    CHECKPOINT_COLOR,
-    LOSS_COLOR,
-    NON_FINITE_COLOR,
     SCALE_COLOR,
-    SEVERITY_COLORS,
     SKIPPED_COLOR,
     STEP_AXIS_TITLE,
-    _message,
     _title,
     _x_axis,
     empty_figure,
     figure_of,
-    log2_ticks,
     plot_steps,
     plot_values,
-    two_rows,
 )
-
-#: Verdicts of the restart advisor, as drawn on the loss-scale chart.
-RECOMMENDED = "recommended"
-
-REJECTED = "rejected"
+from ampwatch.dashboard.series_types import AbandonedTail, StepSeries
 
 #: The trace of activation_norm_spike's threshold (the browser test finds it by name).
 THRESHOLD_TRACE = "alert threshold (activation_norm_spike)"
@@ -91,189 +78,6 @@ def abandoned_traces(
         for tail in tails
         if tail.step
     ]
-
-
-NO_SCALER_MESSAGE = (
-    "No loss scale reported: this run has no enabled GradScaler. "
-    "Under FP16 that lets small gradients flush to zero; check the zero-gradient heatmap."
-)
-
-
-def loss_scale_figure(
-    series: StepSeries,
-    *,
-    checkpoints: Mapping[int, str] | None = None,
-    alerts: Sequence[Alert] = (),
-    abandoned: Sequence[AbandonedTail] = (),
-    x_range: Sequence[int] | None = None,
-) -> go.Figure:
-    """Loss scale on a log2 axis over loss, sharing the step axis.
-
-    Top: the scale as a step line, the scale lines the run's rules judge by (`scale_lines`),
-    a red x at every skipped step, verticals at checkpoints (`checkpoints`: step → the advisor's
-    verdict, '' when there is none): the recommended restart solid and labelled, rejected
-    ones grey. Run-wide alerts shade the span they fired over. Bottom: the loss, with gaps
-    and orange triangles (on the top edge of the loss range) where it was NaN or infinite.
-    `abandoned`: tails a resume abandoned, greyed under both (`abandoned_traces`).
-    `x_range`: the zoom window the series was fetched for.
-    """
-    title = "Loss scale and loss"
-    if not series.step:
-        return empty_figure(title, "No steps reported for this run yet.")
-    steps = plot_steps(series.step)
-    scales = plot_values(series.loss_scale, positive=True)
-    shown = scales[~np.isnan(scales)]
-    lines = scale_lines(series.rule_lines)
-    # The rule lines are always in range: how far the scale sits above them is the point.
-    gone = [plot_values(tail.loss_scale, positive=True) for tail in abandoned]
-    gone_shown = [float(v) for array in gone for v in array[~np.isnan(array)]]
-    levels = [*shown.tolist(), *gone_shown, *(value for _, value, _ in lines)] or [1.0]
-    low, high = min(levels) / 2, max(levels) * 2
-    tick_values, tick_text = log2_ticks(low, high)
-    skipped = [i for i, was_skipped in enumerate(series.skipped) if was_skipped]
-    losses = plot_values(series.loss)
-    data: list[dict[str, Any]] = [
-        *abandoned_traces(abandoned, "loss_scale", hv=True),
-        *abandoned_traces(abandoned, "loss", xaxis="x2", yaxis="y2"),
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": scales,
-            "name": "loss scale",
-            "mode": "lines",
-            "line": {"shape": "hv", "color": SCALE_COLOR},
-            "hovertemplate": "%{y:.6g}",
-        },
-        {
-            "type": "scatter",
-            "x": [series.step[i] for i in skipped],
-            # A skipped step whose scale is unknown still shows, on the axis floor.
-            "y": [float(scales[i]) if not math.isnan(scales[i]) else low for i in skipped],
-            # Downsampled, one marker stands for its bucket's skips: the legend counts steps.
-            "name": f"skipped step ({sum(series.skipped_count)})",
-            "mode": "markers",
-            "customdata": [max(series.skipped_count[i], 1) for i in skipped],
-            "marker": {"symbol": "x", "size": 9, "color": SKIPPED_COLOR},
-            "hovertemplate": "%{customdata} skipped",
-        },
-        {
-            "type": "scatter",
-            "x": steps,
-            "y": losses,
-            "name": "loss",
-            "mode": "lines",
-            "xaxis": "x2",
-            "yaxis": "y2",
-            "line": {"color": LOSS_COLOR, "width": 1.5},
-            "connectgaps": False,
-            "hovertemplate": "%{y:.4g}",
-        },
-    ]
-    data += [
-        {
-            "type": "scatter",
-            "x": [series.step[0], series.step[-1]],
-            "y": [value, value],
-            "name": name,
-            "mode": "lines",
-            "line": {"dash": dash, "color": "#888888", "width": 1},
-            "hovertemplate": f"{name}: %{{y:.6g}}<extra></extra>",
-        }
-        for name, value, dash in lines
-    ]
-    non_finite = [i for i, v in enumerate(series.loss) if v is not None and not math.isfinite(v)]
-    if non_finite:
-        ceiling = float(np.nanmax(losses)) if not np.isnan(losses).all() else 0.0
-        data.append(
-            {
-                "type": "scatter",
-                "x": [series.step[i] for i in non_finite],
-                "y": [ceiling] * len(non_finite),
-                "customdata": [str(series.loss[i]) for i in non_finite],
-                "name": "non-finite loss",
-                "mode": "markers",
-                "xaxis": "x2",
-                "yaxis": "y2",
-                "marker": {"symbol": "triangle-up", "size": 10, "color": NON_FINITE_COLOR},
-                "hovertemplate": "loss %{customdata}",
-            }
-        )
-    shapes: list[dict[str, Any]] = []
-    annotations: list[dict[str, Any]] = []
-    line: dict[str, Any]
-    for step, verdict in sorted((checkpoints or {}).items()):
-        if verdict == RECOMMENDED:
-            line, text, color = {"width": 3}, "restart here", CHECKPOINT_COLOR
-        elif verdict == REJECTED:
-            line, text, color = {"dash": "dot", "width": 1}, "", "#9ca3af"
-        else:
-            line, text, color = {"dash": "dot", "width": 1}, "ckpt", CHECKPOINT_COLOR
-        shapes.append(
-            {
-                "type": "line",
-                "xref": "x",
-                "x0": step,
-                "x1": step,
-                "yref": "paper",
-                "y0": 0,
-                "y1": 1,
-                "line": {**line, "color": color},
-            }
-        )
-        if text:
-            annotations.append(
-                {
-                    "text": text,
-                    "x": step,
-                    "xref": "x",
-                    "y": 1,
-                    "yref": "paper",
-                    "yanchor": "bottom",
-                    "showarrow": False,
-                    "font": {"size": 11 if verdict == RECOMMENDED else 10, "color": color},
-                }
-            )
-    shapes.extend(
-        {
-            "type": "rect",
-            "xref": "x",
-            "yref": "paper",
-            "y0": 0,
-            "y1": 1,
-            "x0": alert.fired_step,
-            "x1": alert.resolved_step if alert.resolved_step is not None else series.step[-1],
-            "fillcolor": SEVERITY_COLORS.get(alert.severity, SKIPPED_COLOR),
-            "opacity": 0.08,
-            "line": {"width": 0},
-            "layer": "below",
-        }
-        for alert in alerts
-        if alert.layer is None and alert.fired_step is not None
-    )
-    if not shown.size:
-        # An empty log axis would read as "no data yet"; say what it really means.
-        annotations.append(_message(NO_SCALER_MESSAGE, xref="x domain", yref="y domain", size=13))
-    axes = two_rows(0.6)
-    axes["xaxis"].update(_x_axis(x_range))
-    axes["xaxis2"].update(_x_axis(x_range, title={"text": STEP_AXIS_TITLE}))
-    axes["yaxis"].update(
-        type="log",
-        range=[math.log10(low), math.log10(high)],
-        tickvals=tick_values,
-        ticktext=tick_text,
-        title={"text": "loss scale (log2)"},
-    )
-    axes["yaxis2"].update(title={"text": "loss"})
-    return figure_of(
-        data,
-        {
-            "title": _title(title),
-            "height": 480,
-            "shapes": shapes,
-            "annotations": annotations,
-            **axes,
-        },
-    )
 
 
 def _step_figure(
@@ -398,27 +202,6 @@ def grad_norm_figure(
         x_range=x_range,
         y_axis={"title": {"text": "global L2 norm"}, "type": "log"},
     )
-
-
-def scale_lines(lines: RuleLines | None) -> list[tuple[str, float, str]]:
-    """(legend name, scale, dash) of the loss-scale lines the run's rules judge by:
-    loss_scale_collapse's min_scale, and where the run reported its scaler's floor, that
-    floor and the headroom line above it (a skip below it collapses at once).
-
-    >>> from ampwatch.dashboard.client import RuleLines
-    >>> [name for name, _, _ in scale_lines(RuleLines(None, True, 2.0, 10.0, 128, 50, 1.0,
-    ...                                                2.0**-4, 4, 1.0))]
-    ['min_scale (loss_scale_collapse)', 'scaler floor (run_start)', 'floor x 2^4 (loss_scale_collapse)']
-    """
-    if lines is None:
-        return []
-    drawn = [("min_scale (loss_scale_collapse)", lines.min_scale, "dash")]
-    if lines.scaler_floor is not None and lines.scaler_floor > 0:
-        drawn.append(("scaler floor (run_start)", lines.scaler_floor, "solid"))
-    if lines.floor_headroom_scale is not None and lines.floor_headroom_scale > 0:
-        name = f"floor x 2^{lines.floor_headroom_octaves} (loss_scale_collapse)"
-        drawn.append((name, lines.floor_headroom_scale, "dot"))
-    return [line for line in drawn if line[1] > 0]  # a log axis cannot draw 0
 
 
 def activation_norm_figure(

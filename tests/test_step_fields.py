@@ -14,7 +14,7 @@ import typing
 import pytest
 
 from ampwatch.agent import wire
-from ampwatch.dashboard import client
+from ampwatch.dashboard import series_types
 from ampwatch.server import models
 from ampwatch.server.rollups import ROLLUP_COLUMNS
 from ampwatch.server.schemas import runs
@@ -31,8 +31,8 @@ FIELDS = set(wire.STEP_FLOAT_FIELDS)
         ("schemas.runs.StepSeries", lambda: set(runs.StepSeries.model_fields)),
         ("models.Step", lambda: set(models.Step.__table__.columns.keys())),
         (
-            "dashboard client.StepSeries",
-            lambda: {f.name for f in dataclasses.fields(client.StepSeries)},
+            "dashboard series_types.StepSeries",
+            lambda: {f.name for f in dataclasses.fields(series_types.StepSeries)},
         ),
     ],
 )

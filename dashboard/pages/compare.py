@@ -11,7 +11,8 @@ import plotly.graph_objects as go
 from dash import Input, Output, dcc, html
 
 from ampwatch.dashboard import compare_figures, figure_common, ids
-from ampwatch.dashboard.client import CollectorClient, CollectorError, StepSeries
+from ampwatch.dashboard.client import CollectorClient, CollectorError
+from ampwatch.dashboard.series_types import StepSeries
 
 GRAPH_CONFIG = dcc.Graph.Config(displaylogo=False, responsive=True)
 #: Points per run: several runs share one chart, so each gets fewer than a run page's.

@@ -9,7 +9,8 @@ from a plan (`watch(resume_from=)`), the loss, loss-scale and grad-norm charts d
 abandoned tail greyed under the new branch (`step_figures.abandoned_traces`).
 
 Data flow: the page comes drawn with its data (`layout(run_id, client)`, in the app's
-initial layout or from the router), then three callbacks:
+initial layout or from the router), then three callbacks (their reads and the stores'
+changes are `ampwatch.dashboard.pages.run_store`; the HTML around the charts `run_panels`):
 - `fetch` (every `REFRESH_MS`): sends the server only `RUN_CURSOR` (where the stored data
   ends), and reads only steps and heatmap rows after it, appended to the `RUN_DATA` store
   (API JSON shape, so NaN survives) with a `Patch` (the browser receives the new points
@@ -25,34 +26,38 @@ initial layout or from the router), then three callbacks:
 
 from __future__ import annotations
 
-import re
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
-from datetime import datetime, timezone
 from typing import Any
 
 import dash
 import plotly.graph_objects as go
-from dash import Input, Output, Patch, State, ctx, dcc, html
+from dash import Input, Output, State, ctx, dcc, html
 from dash.exceptions import PreventUpdate
 
-from ampwatch.dashboard import alert_figures, figure_common, heatmap_figures, ids, step_figures
-from ampwatch.dashboard.client import (
-    HEATMAP_STEPS,
-    STEP_COLUMNS,
-    STEP_POINTS,
-    AbandonedTail,
-    Alert,
-    CollectorClient,
-    CollectorError,
-    LayerMatrix,
-    RestartAdvice,
-    RunEvent,
-    RunNotFound,
-    RunSummary,
-    StepSeries,
+from ampwatch.dashboard import (
+    alert_figures,
+    figure_common,
+    heatmap_figures,
+    ids,
+    loss_scale_figures,
+    step_figures,
 )
-from ampwatch.dashboard.pages.runs import age_seconds, format_age, format_rate, health_badge
+from ampwatch.dashboard.client import CollectorClient
+from ampwatch.dashboard.pages.run_panels import (
+    alerts_list,
+    checkpoints_table,
+    hidden_note,
+    run_header,
+)
+from ampwatch.dashboard.pages.run_store import (
+    cursor_of,
+    fetch_run_data,
+    fetch_zoom,
+    replaced,
+    update_run_data,
+    zoom_window,
+)
+from ampwatch.dashboard.run_types import Alert, RestartAdvice, RunEvent, RunSummary
+from ampwatch.dashboard.series_types import AbandonedTail, LayerMatrix, StepSeries
 from ampwatch.dashboard.urls import href, layer_path
 
 REFRESH_MS = 5_000
@@ -65,14 +70,7 @@ HEATMAP_OPTIONS = [
 #: Layers the "open a layer" dropdown offers at once: the first ones, or those matching
 #: what is typed into it.
 LAYER_OPTIONS = 30
-#: Alerts drawn (timeline rows and explanations); the others are counted per rule.
-SHOWN_ALERTS = 30
-#: Heatmap cells kept in the browser's store to this many decimals (shares in [0, 1]).
-HEATMAP_DECIMALS = 4
-#: Refetch from scratch once the appended tail holds this many times the first answer.
-COMPACT_FACTOR = 2
-X_RANGE_KEY = re.compile(r"^xaxis\d*\.range(\[[01]\])?$")
-X_AUTORANGE_KEY = re.compile(r"^xaxis\d*\.autorange$")
+HIDDEN = {"display": "none"}
 
 
 def layout(
@@ -158,404 +156,11 @@ def layout(
     )
 
 
-def _optional(value: Any) -> Any:
-    return None if value is None else value.to_json()
-
-
-def select_alerts(
-    alerts: list[Alert], limit: int = SHOWN_ALERTS
-) -> tuple[list[Alert], dict[str, int]]:
-    """The `limit` alerts that matter most -- firing before pending before resolved,
-    critical first, run-wide before per-layer, latest first -- and a count per rule of the
-    others. A model-wide risk can fire once per layer (500 alerts); the page shows the
-    worst and says how many more there are, instead of a 20,000-pixel timeline.
-
-    >>> shown, hidden = select_alerts([], 3)
-    >>> shown, hidden
-    ([], {})
-    """
-    status = {"firing": 0, "pending": 1, "resolved": 2}
-    severity = {"critical": 0, "warning": 1, "info": 2}
-    ranked = sorted(
-        alerts,
-        key=lambda a: (
-            status.get(a.status, 3),
-            severity.get(a.severity, 3),
-            a.layer is not None,
-            -(a.fired_step or a.started_step or 0),
-        ),
-    )
-    hidden: dict[str, int] = {}
-    for alert in ranked[limit:]:
-        hidden[alert.rule] = hidden.get(alert.rule, 0) + 1
-    return ranked[:limit], hidden
-
-
-def alerts_json(alerts: list[Alert] | None) -> dict[str, Any] | None:
-    """The store's alerts: the shown ones and the hidden ones' counts (None: no engine)."""
-    if alerts is None:
-        return None
-    shown, hidden = select_alerts(alerts)
-    return {"shown": [a.to_json() for a in shown], "hidden": hidden}
-
-
-def fetch_run_data(
-    client: CollectorClient, run_id: int, stat: str = "zero_fraction"
-) -> dict[str, Any]:
-    """Everything the run page draws, as JSON for the store; `error` set instead on failure.
-
-    The seven reads go out together (the collector serves requests from a thread pool), so
-    the first render waits for the slowest of them, the heatmap, rather than their sum.
-    """
-    reads: dict[str, Callable[[], Any]] = {
-        "run": lambda: client.get_run(run_id),
-        "steps": lambda: client.steps(run_id),
-        "heatmap": lambda: client.layer_matrix(run_id, stat),
-        "events": lambda: client.events(run_id),
-        "layers": lambda: client.layer_names(run_id),
-        "alerts": lambda: client.alerts(run_id),
-        "advice": lambda: client.restart_candidates(run_id),
-        "abandoned": lambda: client.abandoned_steps(run_id),
-    }
-    try:
-        with ThreadPoolExecutor(max_workers=len(reads)) as pool:
-            futures = {name: pool.submit(read) for name, read in reads.items()}
-            answers = {name: future.result() for name, future in futures.items()}
-        run, steps, heatmap, events, layers, alerts, advice, abandoned = answers.values()
-    except RunNotFound:
-        return {"error": f"There is no run {run_id} on this collector."}
-    except CollectorError as exc:
-        return {"error": str(exc)}
-    return {
-        "run_id": run_id,
-        "run": run.to_json(),
-        "steps": steps.to_json(),
-        "heatmap": heatmap.to_json(decimals=HEATMAP_DECIMALS),
-        "heatmap_next": heatmap.next_step,
-        "events": [event.to_json() for event in events],
-        "layers": layers,
-        "alerts": alerts_json(alerts),
-        "advice": _optional(advice),
-        "abandoned": [tail.to_json() for tail in abandoned],
-    }
-
-
-def resumes_in(events: list[dict[str, Any]]) -> int:
-    """The run's `resumed` events: a new one moved the steps after its checkpoint aside on
-    the collector, so the stored series is read again whole (`update_run_data`)."""
-    return sum(1 for event in events if event["kind"] == "resumed")
-
-
-def cursor_of(data: dict[str, Any] | None) -> dict[str, Any] | None:
-    """Where the stored data ends, the little the refresh needs to know: it is sent to the
-    server every tick, the data itself only when the charts must be redrawn."""
-    if data is None or "error" in data:
-        return None
-    steps, heatmap = data["steps"], data["heatmap"]
-    return {
-        "run_id": data["run_id"],
-        "run": data["run"],
-        "stat": heatmap.get("stat"),
-        "layers": heatmap["layers"],
-        "last_step": steps["step"][-1] if steps["step"] else None,
-        "points": len(steps["step"]),
-        "rows": len(heatmap["steps"]),
-        "heatmap_next": data.get("heatmap_next"),
-        "heatmap_width": heatmap.get("step_width", 1),
-        "resumes": resumes_in(data["events"]),
-    }
-
-
-Update = tuple[Any, Any]  # (the data store's new value or Patch, the new cursor)
-
-
-def _replaced(data: dict[str, Any]) -> Update:
-    return data, cursor_of(data)
-
-
-def update_run_data(
-    client: CollectorClient, run_id: int, cursor: dict[str, Any], stat: str
-) -> Update:
-    """What changed since `cursor` (`cursor_of` the stored data), and the new cursor: a
-    `Patch` appending new steps and heatmap rows and replacing the small parts;
-    `no_update` when nothing changed; a full fetch when the stored series has grown too
-    long to stay downsampled; an error to show."""
-    too_long = (
-        cursor["points"] > COMPACT_FACTOR * STEP_POINTS
-        or cursor["rows"] > COMPACT_FACTOR * HEATMAP_STEPS
-    )
-    if too_long:
-        return _replaced(fetch_run_data(client, run_id, stat))
-    if cursor["stat"] != stat:  # another statistic picked: only the heatmap changes
-        try:
-            matrix = client.layer_matrix(run_id, stat)
-        except CollectorError as exc:
-            return _replaced({"error": str(exc)})
-        patch = Patch()
-        patch["heatmap"] = matrix.to_json(decimals=HEATMAP_DECIMALS)
-        patch["heatmap_next"] = matrix.next_step
-        return patch, {
-            **cursor,
-            "stat": stat,
-            "layers": matrix.layers,
-            "rows": len(matrix.steps),
-            "heatmap_next": matrix.next_step,
-            "heatmap_width": matrix.step_width,
-        }
-    # A downsampled series' last point is its last bucket's last step; a heatmap row
-    # starts its bucket, so the store keeps where the next rows begin.
-    last_step = cursor["last_step"]
-    try:
-        run = client.get_run(run_id)
-        if run.to_json() == cursor["run"]:
-            # No batch arrived and no alert moved the run's health.
-            return dash.no_update, dash.no_update
-        new_steps = client.steps(run_id, start=None if last_step is None else last_step + 1)
-        new_rows = client.layer_matrix(run_id, stat, start=cursor["heatmap_next"])
-        # New layers appeared (the columns changed), or the new rows came in wider buckets
-        # than the stored ones (a long backlog; they would leave gaps between the stored
-        # buckets): the whole matrix is read again.
-        whole = bool(new_rows.steps) and (
-            new_rows.layers != cursor["layers"]
-            or new_rows.step_width > cursor.get("heatmap_width", 1)
-        )
-        if whole:
-            new_rows = client.layer_matrix(run_id, stat)
-        events = client.events(run_id)
-        if resumes_in([event.to_json() for event in events]) != cursor.get("resumes", 0):
-            # Resumed from a plan: the stored tail after its checkpoint is abandoned.
-            return _replaced(fetch_run_data(client, run_id, stat))
-        alerts = client.alerts(run_id)
-        advice = client.restart_candidates(run_id)
-    except RunNotFound:
-        return _replaced({"error": f"There is no run {run_id} on this collector."})
-    except CollectorError as exc:
-        return _replaced({"error": str(exc)})
-    patch = Patch()
-    patch["run"] = run.to_json()
-    moved: dict[str, Any] = {"run": run.to_json()}
-    new = new_steps.to_json()
-    if last_step is None:
-        patch["steps"] = new
-    elif new_steps.step:
-        for name in STEP_COLUMNS:
-            patch["steps"][name].extend(new[name])
-        patch["steps"]["rule_lines"] = new["rule_lines"]  # an override may have moved them
-    if new_steps.step:
-        moved.update(
-            last_step=new_steps.step[-1],
-            points=(cursor["points"] if last_step is not None else 0) + len(new_steps.step),
-        )
-    if new_rows.steps and not whole:
-        patch["heatmap"]["steps"].extend(new_rows.steps)
-        patch["heatmap"]["values"].extend(new_rows.to_json(decimals=HEATMAP_DECIMALS)["values"])
-        patch["heatmap_next"] = new_rows.next_step
-        moved.update(rows=cursor["rows"] + len(new_rows.steps), heatmap_next=new_rows.next_step)
-    elif new_rows.steps:
-        patch["heatmap"] = new_rows.to_json(decimals=HEATMAP_DECIMALS)
-        patch["heatmap_next"] = new_rows.next_step
-        moved.update(
-            rows=len(new_rows.steps),
-            heatmap_next=new_rows.next_step,
-            layers=new_rows.layers,
-            heatmap_width=new_rows.step_width,
-        )
-    patch["events"] = [event.to_json() for event in events]
-    patch["alerts"] = alerts_json(alerts)
-    patch["advice"] = _optional(advice)
-    return patch, {**cursor, **moved}
-
-
-def zoom_window(relayout: dict[str, Any] | None) -> tuple[int, int] | bool | None:
-    """The x window a relayout event asks for: (start, end) steps, None for "zoom out"
-    (autorange), False when the event is not about the x axis (resize, y zoom).
-
-    >>> zoom_window({"xaxis.range[0]": 10.4, "xaxis.range[1]": 99.6})
-    (10, 100)
-    >>> zoom_window({"xaxis2.autorange": True}), zoom_window({"autosize": True})
-    (None, False)
-    """
-    if not relayout:
-        return False
-    if any(X_AUTORANGE_KEY.match(key) for key in relayout):
-        return None
-    bounds: list[float] = []
-    for key, value in relayout.items():
-        if X_RANGE_KEY.match(key):
-            bounds += value if isinstance(value, list) else [value]
-    if len(bounds) != 2:
-        return False
-    low, high = sorted(float(b) for b in bounds)
-    return max(int(low), 0), round(high)
-
-
-def fetch_zoom(
-    client: CollectorClient, run_id: int, window: tuple[int, int], stat: str
-) -> dict[str, Any]:
-    start, end = window
-    try:
-        steps = client.steps(run_id, start=start, end=end)
-        heatmap = client.layer_matrix(run_id, stat, start=start, end=end)
-    except CollectorError as exc:
-        return {"error": str(exc)}
-    return {
-        "start": start,
-        "end": end,
-        "steps": steps.to_json(),
-        "heatmap": heatmap.to_json(decimals=HEATMAP_DECIMALS),
-    }
-
-
-def run_header(run: RunSummary) -> html.Div:
-    facts = [
-        ("project", run.project),
-        ("status", run.status),
-        ("last step", "—" if run.last_step is None else f"{run.last_step:,}"),
-        ("loss scale", figure_common.format_loss_scale(run.last_loss_scale)),
-        ("skip rate (last ~1k steps)", format_rate(run.skip_rate)),
-        ("skipped steps", f"{run.skipped_steps:,}"),
-        ("last data", format_age(age_seconds(run, datetime.now(timezone.utc)))),
-    ]
-    return html.Div(
-        [
-            html.Div([html.H2(run.name), health_badge(run.health)], className="title-row"),
-            html.Dl(
-                # One group per fact, so a wrapping line never parts a label from its value.
-                [html.Div([html.Dt(label), html.Dd(value)]) for label, value in facts],
-                className="facts",
-                title=f"last data {figure_common.format_time(run.last_seen_at)}",
-            ),
-        ]
-    )
-
-
-def hidden_note(hidden: dict[str, int]) -> str:
-    """'and 470 more: underflow_risk × 468, skip_rate × 2' (empty when nothing is hidden)."""
-    if not hidden:
-        return ""
-    rules = ", ".join(f"{rule} × {n}" for rule, n in sorted(hidden.items(), key=lambda i: -i[1]))
-    return f"and {sum(hidden.values()):,} more: {rules}"
-
-
-def alerts_list(alerts: list[Alert] | None, hidden: dict[str, int] | None = None) -> html.Div:
-    """Each alert with what it says and the values that triggered it, in `select_alerts`
-    order, then how many more there are."""
-    if alerts is None:
-        return html.Div(html.P("Alerts are not available on this collector.", className="muted"))
-    items = []
-    for alert in alerts:
-        steps = " → ".join(
-            f"{label} {step:,}"
-            for label, step in (
-                ("started", alert.started_step),
-                ("fired", alert.fired_step),
-                ("resolved", alert.resolved_step),
-            )
-            if step is not None
-        )
-        values = ", ".join(f"{k} = {v}" for k, v in alert.values.items())
-        items.append(
-            html.Li(
-                [
-                    html.Span(alert.severity, className=f"badge health-{alert.severity}"),
-                    html.Span(alert.status, className=f"badge status-{alert.status}"),
-                    html.B(alert_figures.alert_label(alert)),
-                    html.Span(f" ({steps})" if steps else "", className="muted"),
-                    html.Div(alert.message, className="message"),
-                    html.Div(values, className="values muted") if values else None,
-                ],
-                className=f"alert alert-{alert.status}",
-            )
-        )
-    note = hidden_note(hidden or {})
-    return html.Div(
-        [
-            html.Ul(items, className="alerts") if items else None,
-            html.P(note, className="muted") if note else None,
-        ]
-    )
-
-
-def checkpoints_table(advice: RestartAdvice | None, events: list[RunEvent]) -> html.Div:
-    """The advisor's candidates with verdicts and reasons, the recommended one highlighted;
-    without an advisor, the checkpoints the agent reported."""
-    if advice is None:
-        reported = [e for e in events if e.kind == "checkpoint"]
-        note = html.P(
-            "The restart advisor is not available on this collector; these are the "
-            "checkpoints the agent reported.",
-            className="muted",
-        )
-        if not reported:
-            return html.Div([note, html.P("No checkpoint reported yet.")])
-        rows = [
-            html.Tr(
-                [
-                    html.Td("—" if e.step is None else f"{e.step:,}", className="num"),
-                    html.Td(str(e.data.get("path", ""))),
-                ]
-            )
-            for e in reported
-        ]
-        return html.Div(
-            [
-                note,
-                html.Table(
-                    [html.Thead(html.Tr([html.Th("step"), html.Th("path")])), html.Tbody(rows)],
-                    className="runs",
-                ),
-            ]
-        )
-    summary = []
-    if advice.recommended_step is not None:
-        summary.append(
-            html.Span(f"Restart from step {advice.recommended_step:,}.", className="recommend")
-        )
-    else:
-        summary.append(
-            html.Span("No checkpoint qualifies as a healthy restart point.", className="error")
-        )
-    if advice.onset_step is not None:
-        summary.append(
-            html.Span(
-                f" Incident onset at step {advice.onset_step:,}"
-                + (f" ({advice.onset_rule})" if advice.onset_rule else "")
-                + (f"; margin {advice.margin_steps:,} steps." if advice.margin_steps else ".")
-            )
-        )
-    if not advice.candidates:
-        return html.Div([html.P(summary), html.P("No checkpoint reported yet.")])
-    header = html.Thead(
-        html.Tr([html.Th(t) for t in ("step", "verdict", "why", "loss scale", "act norm", "path")])
-    )
-    rows = [
-        html.Tr(
-            [
-                html.Td("—" if c.step is None else f"{c.step:,}", className="num"),
-                html.Td(
-                    ("★ " if c.verdict == step_figures.RECOMMENDED else "") + c.verdict,
-                    className=f"verdict-{c.verdict}",
-                ),
-                html.Td("; ".join(c.reasons)),
-                html.Td(figure_common.format_loss_scale(c.loss_scale), className="num"),
-                html.Td("—" if c.act_norm is None else f"{c.act_norm:.4g}", className="num"),
-                html.Td(c.path or ""),
-            ],
-            className=f"candidate-{c.verdict}",
-        )
-        for c in advice.candidates
-    ]
-    return html.Div(
-        [html.P(summary), html.Table([header, html.Tbody(rows)], className="runs checkpoints")]
-    )
-
-
 def run_span(series: StepSeries) -> tuple[int, int] | None:
     return (series.step[0], series.step[-1]) if series.step else None
 
 
 RunView = tuple[Any, ...]
-HIDDEN = {"display": "none"}
 STEP_FIGURE_TITLES = (
     "Loss scale and loss",
     "Skip rate",
@@ -599,7 +204,7 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     abandoned = [AbandonedTail.from_json(t) for t in data.get("abandoned") or []]
     return (
         run_header(run),
-        step_figures.loss_scale_figure(
+        loss_scale_figures.loss_scale_figure(
             steps,
             checkpoints=checkpoints,
             alerts=alerts or (),
@@ -622,7 +227,25 @@ def render_run(data: dict[str, Any] | None, zoom: dict[str, Any] | None = None) 
     )
 
 
+#: In the browser, from the store's layer names: the dropdown indexes every option it is
+#: given for its search when it mounts, 300 ms of the first render for 500 layers.
+LAYER_SEARCH = f"""function (search, data) {{
+            const needle = (search || "").toLowerCase();
+            return ((data && data.layers) || [])
+                .filter(name => name.toLowerCase().includes(needle))
+                .slice(0, {LAYER_OPTIONS}).map(name => ({{label: name, value: name}}));
+        }}"""
+
+
 def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
+    _register_reads(app, client)
+    _register_render(app)
+    _register_layer_links(app)
+
+
+def _register_reads(app: dash.Dash, client: CollectorClient) -> None:
+    """The callbacks that fill the stores: `fetch` (the refresh) and `zoom`."""
+
     @app.callback(
         Output(ids.RUN_DATA, "data"),
         Output(ids.RUN_CURSOR, "data"),
@@ -639,7 +262,7 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
             return dash.no_update, dash.no_update  # drawn with fresh data a moment ago
         stat = stat or "zero_fraction"
         if not cursor or cursor.get("run_id") != run_id:
-            return _replaced(fetch_run_data(client, run_id, stat))
+            return replaced(fetch_run_data(client, run_id, stat))
         return update_run_data(client, run_id, cursor, stat)
 
     @app.callback(
@@ -665,6 +288,10 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
         assert isinstance(window, tuple)
         return fetch_zoom(client, run_id, window, stat or "zero_fraction")
 
+
+def _register_render(app: dash.Dash) -> None:
+    """`render`: the page from both stores (`render_run`)."""
+
     @app.callback(
         Output(ids.RUN_HEADER, "children"),
         Output(ids.LOSS_SCALE_GRAPH, "figure"),
@@ -685,15 +312,12 @@ def register_callbacks(app: dash.Dash, client: CollectorClient) -> None:
             raise PreventUpdate  # the layout already shows this data
         return render_run(data, zoom)
 
-    # In the browser, from the store's layer names: the dropdown indexes every option it is
-    # given for its search when it mounts, 300 ms of the first render for 500 layers.
+
+def _register_layer_links(app: dash.Dash) -> None:
+    """The way to a layer's page: the dropdown's options (`LAYER_SEARCH`), and a heatmap
+    row or the dropdown's pick opening it."""
     app.clientside_callback(  # type: ignore[no-untyped-call]
-        f"""function (search, data) {{
-            const needle = (search || "").toLowerCase();
-            return ((data && data.layers) || [])
-                .filter(name => name.toLowerCase().includes(needle))
-                .slice(0, {LAYER_OPTIONS}).map(name => ({{label: name, value: name}}));
-        }}""",
+        LAYER_SEARCH,
         Output(ids.RUN_LAYER_PICK, "options"),
         Input(ids.RUN_LAYER_PICK, "search_value"),
         Input(ids.RUN_DATA, "data"),

@@ -18,8 +18,9 @@ import dash
 from dash import ALL, Input, Output, State, ctx, dcc, html
 
 from ampwatch.dashboard import ids
-from ampwatch.dashboard.client import CollectorClient, CollectorError, RunSummary
+from ampwatch.dashboard.client import CollectorClient, CollectorError
 from ampwatch.dashboard.figure_common import format_loss_scale
+from ampwatch.dashboard.run_types import RunSummary
 from ampwatch.dashboard.urls import compare_path, href, run_path
 
 REFRESH_MS = 5_000

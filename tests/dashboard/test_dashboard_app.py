@@ -17,17 +17,19 @@ from fastapi import FastAPI
 
 from ampwatch.dashboard import ids
 from ampwatch.dashboard.app import create_dash_app
-from ampwatch.dashboard.client import Alert, CollectorClient, RunSummary, StepSeries
+from ampwatch.dashboard.client import CollectorClient
 from ampwatch.dashboard.pages import runs
-from ampwatch.dashboard.pages.run import (
+from ampwatch.dashboard.pages.run import render_run
+from ampwatch.dashboard.pages.run_panels import hidden_note
+from ampwatch.dashboard.pages.run_store import (
     cursor_of,
     fetch_run_data,
-    hidden_note,
-    render_run,
     select_alerts,
     update_run_data,
     zoom_window,
 )
+from ampwatch.dashboard.run_types import Alert, RunSummary
+from ampwatch.dashboard.series_types import StepSeries
 
 MakeTransport = Callable[..., httpx.MockTransport]
 RUN_ID = 7  # the run the `collector_transport` fixture serves

@@ -7,14 +7,9 @@ from typing import Any
 import httpx
 import pytest
 
-from ampwatch.dashboard.client import (
-    CollectorClient,
-    CollectorError,
-    LayerMatrix,
-    RunNotFound,
-    RunSummary,
-    StepSeries,
-)
+from ampwatch.dashboard.client import CollectorClient, CollectorError, RunNotFound
+from ampwatch.dashboard.run_types import RunSummary
+from ampwatch.dashboard.series_types import LayerMatrix, StepSeries
 
 RUN_ID = 7  # the run the `collector_transport` fixture serves
 

@@ -13,9 +13,11 @@ from ampwatch.dashboard import (
     compare_figures,
     figure_common,
     heatmap_figures,
+    loss_scale_figures,
     step_figures,
 )
-from ampwatch.dashboard.client import Alert, LayerMatrix, StepSeries
+from ampwatch.dashboard.run_types import Alert
+from ampwatch.dashboard.series_types import LayerMatrix, StepSeries
 
 
 def trace(figure: go.Figure, name: str) -> Any:
@@ -34,7 +36,7 @@ def series(steps_json: dict[str, Any]) -> StepSeries:
 
 
 def test_loss_scale_axis_is_log_with_power_of_two_ticks(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(series)
+    figure = loss_scale_figures.loss_scale_figure(series)
     yaxis = figure.layout.yaxis
     assert yaxis.type == "log"
     assert yaxis.title.text == "loss scale (log2)"
@@ -50,35 +52,37 @@ def test_loss_scale_draws_the_lines_the_collector_says_its_rules_use(
 ) -> None:
     """Was: a dashed line at the constant 1.0. Now the run's effective min_scale, and the
     scaler floor and headroom line when the run reported a floor, each named."""
-    line = trace(step_figures.loss_scale_figure(series), "min_scale (loss_scale_collapse)")
+    line = trace(loss_scale_figures.loss_scale_figure(series), "min_scale (loss_scale_collapse)")
     assert values(line.y) == [1.0, 1.0] and line.line.dash == "dash"
     assert line.yaxis in (None, "y")  # on the loss-scale row, not the loss row
     assert series.rule_lines is not None
     moved = replace(series, rule_lines=replace(series.rule_lines, min_scale=0.25,
                                                 scaler_floor=2.0**-4, floor_headroom_scale=1.0))  # fmt: skip
-    figure = step_figures.loss_scale_figure(moved)
+    figure = loss_scale_figures.loss_scale_figure(moved)
     assert values(trace(figure, "min_scale (loss_scale_collapse)").y) == [0.25, 0.25]
     assert values(trace(figure, "scaler floor (run_start)").y) == [2.0**-4] * 2
     assert values(trace(figure, "floor x 2^4 (loss_scale_collapse)").y) == [1.0, 1.0]
     assert 10 ** figure.layout.yaxis.range[0] < 2.0**-4  # every line in range
     # No rule lines (a collector before them): nothing is drawn as if it were the rule's.
-    bare = step_figures.loss_scale_figure(replace(series, rule_lines=None))
+    bare = loss_scale_figures.loss_scale_figure(replace(series, rule_lines=None))
     assert not [t for t in bare.data if "loss_scale_collapse" in (t.name or "")]
 
 
 def test_run_without_scaler_says_so_instead_of_empty_axes(steps_json: dict[str, Any]) -> None:
     no_scaler = StepSeries.from_json({**steps_json, "loss_scale": [None] * len(steps_json["step"])})
-    texts = [a.text for a in step_figures.loss_scale_figure(no_scaler).layout.annotations]
-    assert step_figures.NO_SCALER_MESSAGE in texts
+    texts = [a.text for a in loss_scale_figures.loss_scale_figure(no_scaler).layout.annotations]
+    assert loss_scale_figures.NO_SCALER_MESSAGE in texts
     texts = [
         a.text
-        for a in step_figures.loss_scale_figure(StepSeries.from_json(steps_json)).layout.annotations
+        for a in loss_scale_figures.loss_scale_figure(
+            StepSeries.from_json(steps_json)
+        ).layout.annotations
     ]
-    assert step_figures.NO_SCALER_MESSAGE not in texts
+    assert loss_scale_figures.NO_SCALER_MESSAGE not in texts
 
 
 def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) -> None:
-    skipped = trace(step_figures.loss_scale_figure(series), "skipped step (2)")
+    skipped = trace(loss_scale_figures.loss_scale_figure(series), "skipped step (2)")
     assert list(skipped.x) == [3, 5]
     assert list(skipped.y) == [65536.0, 32768.0]
     assert skipped.mode == "markers" and skipped.marker.symbol == "x"
@@ -86,7 +90,7 @@ def test_skipped_markers_sit_at_exactly_the_skipped_steps(series: StepSeries) ->
 
 
 def test_non_finite_loss_is_a_gap_and_a_marker(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(series)
+    figure = loss_scale_figures.loss_scale_figure(series)
     loss = trace(figure, "loss")
     assert values(loss.y) == [2.5, 2.4, None, 2.2, None, 2.0]
     assert loss.yaxis == "y2"
@@ -98,7 +102,7 @@ def test_non_finite_loss_is_a_gap_and_a_marker(series: StepSeries) -> None:
 
 def test_no_non_finite_marker_trace_when_every_loss_is_finite() -> None:
     series = StepSeries.from_json({"step": [1, 2], "loss": [1.0, 0.9], "loss_scale": [2.0, 2.0]})
-    names = [t.name for t in step_figures.loss_scale_figure(series).data]
+    names = [t.name for t in loss_scale_figures.loss_scale_figure(series).data]
     assert names == ["loss scale", "skipped step (0)", "loss"]
 
 
@@ -106,7 +110,7 @@ def test_non_positive_or_non_finite_scale_is_a_gap_not_a_log_error() -> None:
     series = StepSeries.from_json(
         {"step": [1, 2, 3], "loss_scale": [4.0, "NaN", 0.0], "skipped": [False, True, True]}
     )
-    figure = step_figures.loss_scale_figure(series)
+    figure = loss_scale_figures.loss_scale_figure(series)
     assert values(trace(figure, "loss scale").y) == [4.0, None, None]
     # Skips whose scale is unknown still show, on the axis floor.
     low = 10 ** figure.layout.yaxis.range[0]
@@ -114,7 +118,7 @@ def test_non_positive_or_non_finite_scale_is_a_gap_not_a_log_error() -> None:
 
 
 def test_checkpoints_are_vertical_lines(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(series, checkpoints={4: ""})
+    figure = loss_scale_figures.loss_scale_figure(series, checkpoints={4: ""})
     verticals = [s for s in figure.layout.shapes if s.x0 == 4 and s.x1 == 4]
     assert len(verticals) == 1 and verticals[0].line.dash == "dot"
     assert [a.text for a in figure.layout.annotations] == ["ckpt"]
@@ -225,7 +229,7 @@ def test_heatmap_tolerates_short_rows() -> None:
 @pytest.mark.parametrize(
     "figure",
     [
-        step_figures.loss_scale_figure(StepSeries.from_json({})),
+        loss_scale_figures.loss_scale_figure(StepSeries.from_json({})),
         step_figures.activation_norm_figure(StepSeries.from_json({"step": [1], "loss": [1.0]})),
         heatmap_figures.layer_heatmap(LayerMatrix.from_json({"stat": "zero_fraction"})),
     ],
@@ -237,7 +241,7 @@ def test_missing_data_explains_itself(figure: go.Figure) -> None:
 
 def test_refreshes_keep_the_users_zoom(series: StepSeries, layers_json: dict[str, Any]) -> None:
     for figure in (
-        step_figures.loss_scale_figure(series),
+        loss_scale_figures.loss_scale_figure(series),
         step_figures.activation_norm_figure(series),
         heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
@@ -249,7 +253,7 @@ def test_figures_serialise_without_bare_nan(
 ) -> None:
     """Browsers reject NaN in JSON; every figure must be strict JSON."""
     for figure in (
-        step_figures.loss_scale_figure(series),
+        loss_scale_figures.loss_scale_figure(series),
         step_figures.activation_norm_figure(series),
         heatmap_figures.layer_heatmap(LayerMatrix.from_json(layers_json)),
     ):
@@ -285,7 +289,7 @@ def test_format_time_is_utc_to_the_second() -> None:
 
 
 def test_checkpoint_verdicts_mark_the_recommended_restart(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(
+    figure = loss_scale_figures.loss_scale_figure(
         series, checkpoints={2: "healthy", 4: "recommended", 6: "rejected"}
     )
     verticals = {s.x0: s for s in figure.layout.shapes if s.type == "line" and s.x0 == s.x1}
@@ -316,7 +320,7 @@ def alert(**fields: Any) -> Alert:
 
 
 def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None:
-    figure = step_figures.loss_scale_figure(
+    figure = loss_scale_figures.loss_scale_figure(
         series,
         alerts=[
             alert(),
@@ -330,14 +334,14 @@ def test_run_level_alerts_shade_the_loss_scale_chart(series: StepSeries) -> None
 
 def test_zoomed_figures_pin_the_step_axis(series: StepSeries) -> None:
     for figure in (
-        step_figures.loss_scale_figure(series, x_range=(2, 5)),
+        loss_scale_figures.loss_scale_figure(series, x_range=(2, 5)),
         step_figures.skip_rate_figure(series, x_range=(2, 5)),
         step_figures.grad_norm_figure(series, x_range=(2, 5)),
         step_figures.activation_norm_figure(series, x_range=(2, 5)),
     ):
         assert tuple(figure.layout.xaxis.range) == (2, 5)
         assert figure.layout.xaxis.autorange is False
-    assert step_figures.loss_scale_figure(series).layout.xaxis.range is None
+    assert loss_scale_figures.loss_scale_figure(series).layout.xaxis.range is None
 
 
 def test_skip_rate_counts_skips_per_window() -> None:

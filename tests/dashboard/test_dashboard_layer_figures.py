@@ -10,7 +10,7 @@ import pytest
 
 from ampwatch.agent.wire import EXPONENT_BIAS
 from ampwatch.dashboard import layer_figures
-from ampwatch.dashboard.client import LayerHistograms, LayerSeries
+from ampwatch.dashboard.series_types import LayerHistograms, LayerSeries
 
 # Field f holds |g| in [2^(f-127), 2^(f-126)): offset 100 is |g| ~ 2^-27.
 HISTS = LayerHistograms(

@@ -19,9 +19,11 @@ import pytest
 
 from ampwatch.dashboard import compare_figures, layer_figures, plotly_bundle
 from ampwatch.dashboard.app import BUNDLE_ROUTE, create_dash_app
-from ampwatch.dashboard.client import CollectorClient, LayerHistograms, StepSeries
-from ampwatch.dashboard.pages.run import fetch_run_data, render_run
+from ampwatch.dashboard.client import CollectorClient
+from ampwatch.dashboard.pages.run import render_run
+from ampwatch.dashboard.pages.run_store import fetch_run_data
 from ampwatch.dashboard.prefetch import Prefetcher
+from ampwatch.dashboard.series_types import LayerHistograms, StepSeries
 
 SCRIPT = b"window.Plotly = {version: 'test'};\n"
 

@@ -14,7 +14,8 @@ import plotly.graph_objects as go
 from ampwatch.agent.wire import INGEST_PATH, STEP_FLOAT_FIELDS, WIRE_VERSION, encode_float
 from ampwatch.dashboard.client import CollectorClient
 from ampwatch.dashboard.figure_common import ABANDONED_COLOR
-from ampwatch.dashboard.pages.run import cursor_of, fetch_run_data, render_run, update_run_data
+from ampwatch.dashboard.pages.run import render_run
+from ampwatch.dashboard.pages.run_store import cursor_of, fetch_run_data, update_run_data
 from ampwatch.dashboard.step_figures import ABANDONED_TRACE
 
 OLD_END, FROM_STEP, NEW_END = 60, 20, 40
