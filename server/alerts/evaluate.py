@@ -54,6 +54,18 @@ from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
 from ampwatch.server.alerts.layers import LayerSamples, LayerState
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import finite
+from ampwatch.server.alerts.rule_settings import (
+    ActivationNormSpike,
+    GradNormSpike,
+    LossCollapse,
+    LossScaleCollapse,
+    LossSpike,
+    NanLoss,
+    OverflowBurst,
+    RuleSettings,
+    ScaleFloorStall,
+    SkipRate,
+)
 from ampwatch.server.alerts.scale import (
     loss_scale_collapse,
     nan_detail,
@@ -171,7 +183,7 @@ def _save(
 
 
 def _apply_events(
-    tracker: Tracker, state: StepState, batch: BatchIn, settings: dict[str, rules.RuleSettings]
+    tracker: Tracker, state: StepState, batch: BatchIn, settings: dict[str, RuleSettings]
 ) -> int | None:
     """Findings raise their rules; a `run_start` of the followed rank (a new process: the
     run started or resumed, maybe from an earlier checkpoint) restarts calibration and the
@@ -260,7 +272,7 @@ def _evaluate_steps(
     tracker: Tracker,
     state: StepState,
     records: list[StepIn],
-    settings: dict[str, rules.RuleSettings],
+    settings: dict[str, RuleSettings],
     samples: LayerSamples | None = None,
     guard: RuleGuard | None = None,
     early: precursors.PrecursorState | None = None,
@@ -269,15 +281,15 @@ def _evaluate_steps(
     layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
     (skipped, or a non-finite loss) go to `samples.bad_steps` for the underflow rules.
     Returns activation_norm_spike's judgements (`Judged`)."""
-    collapse: rules.LossScaleCollapse = settings["loss_scale_collapse"]  # type: ignore[assignment]
-    skip_rate: rules.SkipRate = settings["skip_rate"]  # type: ignore[assignment]
-    spike: rules.ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
-    stall: rules.ScaleFloorStall = settings["scale_floor_stall"]  # type: ignore[assignment]
-    nan_loss: rules.NanLoss = settings["nan_loss"]  # type: ignore[assignment]
-    loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
-    norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
-    burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
-    fell: rules.LossCollapse = settings["loss_collapse"]  # type: ignore[assignment]
+    collapse: LossScaleCollapse = settings["loss_scale_collapse"]  # type: ignore[assignment]
+    skip_rate: SkipRate = settings["skip_rate"]  # type: ignore[assignment]
+    spike: ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
+    stall: ScaleFloorStall = settings["scale_floor_stall"]  # type: ignore[assignment]
+    nan_loss: NanLoss = settings["nan_loss"]  # type: ignore[assignment]
+    loss_rule: LossSpike = settings["loss_spike"]  # type: ignore[assignment]
+    norm_rule: GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
+    burst: OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
+    fell: LossCollapse = settings["loss_collapse"]  # type: ignore[assignment]
     d = state
     recent = d.recent
     width = spikes.window_width(settings)

@@ -39,8 +39,9 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
-from ampwatch.server.alerts import rules
+from ampwatch.server.alerts.layer_settings import FlushTrend
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.rule_settings import RuleSettings, ScaleDecline, UpdateRmsRise
 from ampwatch.server.models import Alert
 from ampwatch.server.schemas.wire import LayerStatsIn, StepIn
 
@@ -106,7 +107,7 @@ def _warn(tracker: Tracker, state: PrecursorState, rule: str, step: int,
         state.awaiting = step
 
 
-def _norm_rises(state: PrecursorState, rule: rules.UpdateRmsRise) -> tuple[bool, float | None]:
+def _norm_rises(state: PrecursorState, rule: UpdateRmsRise) -> tuple[bool, float | None]:
     """Is the last grad norm `escalate_ratio` x the median of the ones before it?"""
     if len(state.norms) < rule.min_baseline_samples + 1:
         return False, None
@@ -121,12 +122,12 @@ def judge_step(
     record: StepIn,
     *,
     calibrating: bool,
-    settings: dict[str, rules.RuleSettings],
+    settings: dict[str, RuleSettings],
 ) -> None:
     """Judge one step of the followed rank (after the engine's own rules)."""
     rms_rule = settings["update_rms_rise"]
     decline = settings["scale_decline"]
-    assert isinstance(rms_rule, rules.UpdateRmsRise) and isinstance(decline, rules.ScaleDecline)
+    assert isinstance(rms_rule, UpdateRmsRise) and isinstance(decline, ScaleDecline)
     s = record.step
     norm = None if record.grad_norm is None else decode_float(record.grad_norm)
     if not record.skipped and norm is not None and math.isfinite(norm):
@@ -140,7 +141,7 @@ def judge_step(
 
 
 def _update_rms(
-    tracker: Tracker, state: PrecursorState, record: StepIn, rule: rules.UpdateRmsRise,
+    tracker: Tracker, state: PrecursorState, record: StepIn, rule: UpdateRmsRise,
     rising: bool, norm_median: float | None, calibrating: bool,
 ) -> None:  # fmt: skip
     s = record.step
@@ -164,7 +165,7 @@ def _update_rms(
 
 
 def _scale_decline(
-    tracker: Tracker, state: PrecursorState, s: int, scale: float, rule: rules.ScaleDecline,
+    tracker: Tracker, state: PrecursorState, s: int, scale: float, rule: ScaleDecline,
     calibrating: bool, rising: bool,
 ) -> None:  # fmt: skip
     previous, state.scale = state.scale, scale
@@ -200,7 +201,7 @@ def judge_flush(
     record: LayerStatsIn,
     flush: np.ndarray,
     fresh: np.ndarray,
-    rule: rules.FlushTrend,
+    rule: FlushTrend,
 ) -> None:
     """A layer's flush share rising from its previous sample, above `min_flush`."""
     s = record.step

@@ -45,7 +45,7 @@ class StepState:
 
     # -- the process -----------------------------------------------------------------------
     #: Warm-up calibration: a cascade that starts with the process, until a run of clean
-    #: steps (`rules.LossScaleCollapse`).
+    #: steps (`rule_settings.LossScaleCollapse`).
     calibrating: bool = True
     first_step: int | None = None
     clean_run: int = 0
