@@ -308,7 +308,7 @@ class _StepWalk:
     def step(self, i: int, record: StepIn) -> None:
         """Judge the batch's `i`th step."""
         s, d = record.step, self.d
-        if self.samples is not None:
+        if self.samples is not None and self.samples.due(s):
             self.guard("layer rules", s, self.samples.judge_until, s)
         scale = finite(record.loss_scale)
         loss = self.losses[i]

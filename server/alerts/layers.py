@@ -117,6 +117,10 @@ class LayerSamples:
         #: batches, then this batch's as `_evaluate_steps` meets them.
         self.bad_steps: list[int] = [last_skip] if last_skip is not None else []
 
+    def due(self, step: int) -> bool:
+        """A sample of a step before `step` waits to be judged (asked at every step)."""
+        return self.next < len(self.queue) and self.queue[self.next].step < step
+
     def judge_until(self, step: int | None) -> None:
         """Judge the samples of steps before `step` (None: all that are left). An FP8
         sample's roles (one record each) are of one step, so they are judged together."""

@@ -108,7 +108,9 @@ def _warn(tracker: Tracker, state: PrecursorState, rule: str, step: int,
 
 
 def _norm_rises(state: PrecursorState, rule: UpdateRmsRise) -> tuple[bool, float | None]:
-    """Is the last grad norm `escalate_ratio` x the median of the ones before it?"""
+    """Is the last grad norm `escalate_ratio` x the median of the ones before it? Asked only
+    by a precursor that fires (the median's sort, at every step, was a tenth of the step
+    rules' cost)."""
     if len(state.norms) < rule.min_baseline_samples + 1:
         return False, None
     median = _median(state.norms[:-1])
@@ -131,18 +133,18 @@ def judge_step(
     s = record.step
     norm = None if record.grad_norm is None else decode_float(record.grad_norm)
     if not record.skipped and norm is not None and math.isfinite(norm):
-        state.norms = [*state.norms, norm][-rms_rule.baseline_samples - 1 :]
-    rising, norm_median = _norm_rises(state, rms_rule)
+        state.norms.append(norm)
+        del state.norms[: -rms_rule.baseline_samples - 1]
     if rms_rule.enabled:
-        _update_rms(tracker, state, record, rms_rule, rising, norm_median, calibrating)
+        _update_rms(tracker, state, record, rms_rule, calibrating)
     scale = None if record.loss_scale is None else decode_float(record.loss_scale)
     if decline.enabled and scale is not None and math.isfinite(scale) and scale > 0:
-        _scale_decline(tracker, state, s, scale, decline, calibrating, rising and rms_rule.enabled)
+        _scale_decline(tracker, state, s, scale, decline, calibrating, rms_rule)
 
 
 def _update_rms(
     tracker: Tracker, state: PrecursorState, record: StepIn, rule: UpdateRmsRise,
-    rising: bool, norm_median: float | None, calibrating: bool,
+    calibrating: bool,
 ) -> None:  # fmt: skip
     s = record.step
     value = None if record.adam_rms_max is None else decode_float(record.adam_rms_max)
@@ -153,6 +155,7 @@ def _update_rms(
     if median is None or calibrating:
         return
     if value >= rule.min_ratio * median and value >= rule.min_value:
+        rising, norm_median = _norm_rises(state, rule)
         message = (f"Adam's second moment lags the gradients: update RMS {value:.3g} at step "
                    f"{s}, {value / median:.2g}x its median {median:.3g}")  # fmt: skip
         values: dict[str, Any] = {"adam_rms_max": value, "median": median, "step": s}
@@ -166,7 +169,7 @@ def _update_rms(
 
 def _scale_decline(
     tracker: Tracker, state: PrecursorState, s: int, scale: float, rule: ScaleDecline,
-    calibrating: bool, rising: bool,
+    calibrating: bool, rms_rule: UpdateRmsRise,
 ) -> None:  # fmt: skip
     previous, state.scale = state.scale, scale
     if calibrating:
@@ -190,6 +193,7 @@ def _scale_decline(
                    f"over steps {first}-{s} without growing back (now {scale:.4g})")  # fmt: skip
         values = {"octaves": octaves, "falls": len(state.falls), "from_step": first,
                   "loss_scale": scale}  # fmt: skip
+        rising = rms_rule.enabled and _norm_rises(state, rms_rule)[0]
         _warn(tracker, state, "scale_decline", s, message, values, critical=rising)
     elif grew or not state.falls:  # the scaler grows again: the decline is over
         tracker.clear("scale_decline", s)

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
@@ -76,9 +77,10 @@ class RecentState:
         """Skipped steps in (step - width, step], optionally only those at scale <= max_scale.
         The window is in step order: only its last steps are read (overflow_burst asks for
         8 of its 50 at every step)."""
-        start = bisect.bisect_right(self.window, step - width, key=lambda w: int(w[0]))
-        return [s for s, scale, skipped in self.window[start:] if skipped
-                and (max_scale is None or (scale is not None and scale <= max_scale))]  # fmt: skip
+        start = bisect.bisect_right(self.window, step - width, key=_step_of)
+        skips = filter(_skipped_of, self.window[start:])  # (the few skips, found without a loop)
+        return [s for s, scale, _ in skips
+                if max_scale is None or (scale is not None and scale <= max_scale)]  # fmt: skip
 
     def skipped_run(self, step: int, width: int) -> list[int]:
         """The skipped steps in (step - width, step] after its last applied step: the
@@ -91,12 +93,24 @@ class RecentState:
         return run[::-1]
 
     def fall_octaves(self, step: int, scale: float, width: int) -> float:
-        """Halvings from the highest scale of the last `width` steps down to `scale`."""
-        scales = [w[1] for w in self.window if w[0] > step - width and w[1] is not None]
-        peak = max(scales, default=scale)
+        """Halvings from the highest scale of the last `width` steps down to `scale`. Asked
+        at every step while a scale sits below min_scale: the window's steps are found by
+        bisection and its scales read without a Python loop."""
         if scale <= 0:
             return 128.0
+        start = bisect.bisect_right(self.window, step - width, key=_step_of)
+        try:
+            peak = max(map(_scale_of, self.window[start:]), default=scale)
+        except TypeError:  # a step without a scale (None) among them
+            peak = max((v for _, v, _ in self.window[start:] if v is not None), default=scale)
+        if peak is None:  # (`max` of the one step, without a scale)
+            peak = scale
         return max(0.0, math.log2(peak) - math.log2(scale))  # a quotient could overflow
+
+
+_step_of = operator.itemgetter(0)
+_scale_of = operator.itemgetter(1)
+_skipped_of = operator.itemgetter(2)
 
 
 def still_falling(state: RecentState, step: int, scale: float, rule: LossScaleCollapse) -> bool:
