@@ -8,7 +8,7 @@ from typing import Any
 
 from pydantic import Field
 
-from ampwatch.server.alerts.rule_settings import RuleSettings, hold_for, resolve_after
+from ampwatch.server.alerts.rule_settings import RuleSettings, TimedRule, hold_for, resolve_after
 from ampwatch.server.fp8_readiness import Fp8Limits
 
 _FOR_SAMPLES = (
@@ -126,9 +126,7 @@ class Fp8Risk(RuleSettings, Fp8Limits):
     )
 
 
-class FlushTrend(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class FlushTrend(TimedRule):
     min_flush: float = Field(
         default=0.02, gt=0, le=1,
         description="Fire when a layer's share of scaled gradients below FP16's smallest "

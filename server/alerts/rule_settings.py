@@ -38,9 +38,16 @@ class RuleSettings(BaseModel):
     enabled: bool = Field(default=True, description="Evaluate this rule at all.")
 
 
-class LossScaleCollapse(RuleSettings):
+class TimedRule(RuleSettings):
+    """A rule whose alert fires once its condition held `for_steps` and resolves once it
+    stayed clear `resolve_steps`: the two fields (defaults 0 and 100) every rule judged
+    at each step has; a rule overrides either where its own default differs."""
+
     for_steps: int = hold_for(0)
     resolve_steps: int = resolve_after(100)
+
+
+class LossScaleCollapse(TimedRule):
     min_scale: float = Field(
         default=HEALTHY_LOSS_SCALE,
         ge=0,
@@ -120,9 +127,7 @@ class LossScaleCollapse(RuleSettings):
     )
 
 
-class SkipRate(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class SkipRate(TimedRule):
     window_steps: int = Field(
         default=500, ge=10, le=100_000, description="Window over which skips are counted."
     )
@@ -141,8 +146,7 @@ class SkipRate(RuleSettings):
     )
 
 
-class ScaleFloorStall(RuleSettings):
-    for_steps: int = hold_for(0)
+class ScaleFloorStall(TimedRule):
     resolve_steps: int = resolve_after(10)
     window_steps: int = Field(
         default=50,
@@ -169,9 +173,7 @@ class ScaleFloorStall(RuleSettings):
     )
 
 
-class OverflowBurst(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class OverflowBurst(TimedRule):
     min_skips: int = Field(
         default=3,
         ge=2,
@@ -187,14 +189,11 @@ class OverflowBurst(RuleSettings):
     )
 
 
-class NanLoss(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class NanLoss(TimedRule):
+    """`nan_loss`: the timing fields only."""
 
 
-class ActivationNormSpike(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class ActivationNormSpike(TimedRule):
     signal: Literal["act_norm_mean", "act_norm_max"] = Field(
         default="act_norm_mean",
         description="Which final-layer norm to watch (metaseq's actv_norm is the mean); "
@@ -239,12 +238,10 @@ class ActivationNormSpike(RuleSettings):
     )
 
 
-class RollingSpike(RuleSettings):
+class RollingSpike(TimedRule):
     """A value judged against the median of its own recent values (loss_spike,
     grad_norm_spike): the fields both rules share."""
 
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
     baseline_samples: int = Field(
         default=32,
         ge=1,
@@ -309,7 +306,7 @@ class GradNormSpike(RollingSpike):
     )
 
 
-class LossCollapse(RuleSettings):
+class LossCollapse(TimedRule):
     """`loss_collapse` (`alerts.collapse`): judged against loss_spike's and
     grad_norm_spike's rolling medians (their baseline_samples)."""
 
@@ -319,7 +316,6 @@ class LossCollapse(RuleSettings):
         "value stands for) before the alert fires: a per-step log fires at its second "
         "collapsed step, a line printed every 10 steps at once.",
     )
-    resolve_steps: int = resolve_after(100)
     orders: float = Field(
         default=3.0,
         gt=0,
@@ -338,8 +334,7 @@ class LossCollapse(RuleSettings):
     )
 
 
-class UpdateRmsRise(RuleSettings):
-    for_steps: int = hold_for(0)
+class UpdateRmsRise(TimedRule):
     resolve_steps: int = resolve_after(50)
     baseline_samples: int = Field(
         default=64, ge=2, le=4096,
@@ -369,9 +364,7 @@ class UpdateRmsRise(RuleSettings):
     )  # fmt: skip
 
 
-class ScaleDecline(RuleSettings):
-    for_steps: int = hold_for(0)
-    resolve_steps: int = resolve_after(100)
+class ScaleDecline(TimedRule):
     window_steps: int = Field(
         default=200, ge=1, le=100_000, description="Window of the decline, in steps."
     )
