@@ -165,7 +165,7 @@ MIN_LOSS_SCALE: Final = "min_loss_scale"
 #: `run_start`'s key saying the process's loss scaler already has a history when its first
 #: step arrives (an imported log excerpt that starts mid-run, a scaler restored from a
 #: checkpoint): true means its first skips are not warm-up calibration. Absent or false: the
-#: collector judges warm-up from the process's first steps (`rules.LossScaleCollapse`).
+#: collector judges warm-up from the process's first steps (`rule_settings.LossScaleCollapse`).
 SCALER_CALIBRATED: Final = "scaler_calibrated"
 
 #: Keys of a batch's "dropped" field: records the agent dropped (never blocking training)

@@ -64,7 +64,8 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
 from ampwatch.server.alerts.config import settings_of_run
-from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
+from ampwatch.server.alerts.rule_settings import LossScaleCollapse
+from ampwatch.server.alerts.rules import CONFIGURATION_RULES
 from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
 from ampwatch.server.models import Alert, Run, Step, StepRollup

@@ -73,13 +73,25 @@ def rolling_baselines(
     first_full = int(np.searchsorted(ends, width))  # `ends` never falls: the rest are full
     if first_full < len(values):
         windows = np.lib.stride_tricks.sliding_window_view(series, width)[ends[first_full:] - width]
-        medians, mads = robust_baseline(windows, axis=1)
+        medians = _row_medians(windows)
+        mads = MAD_TO_SIGMA * _row_medians(np.abs(windows - medians[:, np.newaxis]))
         out[first_full:] = zip(medians.tolist(), mads.tolist(), itertools.repeat(width))
     for i in range(first_full):
         n = int(ends[i])
         if n >= min_samples:
             out[i] = (*robust_baseline(series[:n]), n)
     return out
+
+
+def _row_medians(rows: npt.NDArray[np.float64]) -> npt.NDArray[np.float64]:
+    """`np.median(rows, axis=1)` of finite rows, the same values from a sort: numpy's
+    median partitions each row around two middle elements (and a NaN check), 4-10x slower
+    than sorting a batch's short windows (32-128 values)."""
+    ordered = np.sort(rows, axis=1)
+    half = rows.shape[1] // 2
+    if rows.shape[1] % 2:
+        return ordered[:, half]
+    return (ordered[:, half - 1] + ordered[:, half]) / 2
 
 
 def remember(ring: list[float], values: list[float | None], width: int) -> list[float]:

@@ -18,10 +18,10 @@ from __future__ import annotations
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.activation import judged_fields
 from ampwatch.server.alerts.config import settings_of_run
 from ampwatch.server.alerts.evaluate import STEPS_KEY
+from ampwatch.server.alerts.rule_settings import ActivationNormSpike, LossScaleCollapse
 from ampwatch.server.alerts.scale import near_floor
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.models import AlertState
@@ -32,10 +32,10 @@ def rule_lines(session: Session, run_id: int, series: StepSeries) -> RuleLines:
     """Run `run_id`'s rule lines; the judged field is the first of `judged_fields` that
     `series` holds a value of."""
     settings = settings_of_run(session, run_id) or {}  # {}: the run was just deleted
-    spike = settings.get("activation_norm_spike") or rules.ActivationNormSpike()
-    collapse = settings.get("loss_scale_collapse") or rules.LossScaleCollapse()
-    assert isinstance(spike, rules.ActivationNormSpike)
-    assert isinstance(collapse, rules.LossScaleCollapse)
+    spike = settings.get("activation_norm_spike") or ActivationNormSpike()
+    collapse = settings.get("loss_scale_collapse") or LossScaleCollapse()
+    assert isinstance(spike, ActivationNormSpike)
+    assert isinstance(collapse, LossScaleCollapse)
     held = (n for n in judged_fields(spike) if getattr(series, n).count(None) < len(series.step))
     state = StepState(min_loss_scale=StepState.reported_floor(session.scalar(
         select(AlertState.data).where(AlertState.run_id == run_id, AlertState.key == STEPS_KEY)

@@ -19,7 +19,8 @@ from ampwatch.server.alerts.config import (
     validate_overrides,
 )
 from ampwatch.server.alerts.evaluate import evaluate_batch
-from ampwatch.server.alerts.rules import RULES, Rule, RuleSettings
+from ampwatch.server.alerts.rule_settings import RuleSettings
+from ampwatch.server.alerts.rules import RULES, Rule
 from ampwatch.server.alerts.sweep import sweep
 
 __all__ = [

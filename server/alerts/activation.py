@@ -7,7 +7,7 @@ What it judged is stored with each step (`Step.act_threshold`, `act_above`: the 
 returns it, ingest writes it), and that is the line the activation-norm chart draws: the
 chart cannot disagree with the rule, and no second baseline exists to drift from it.
 
->>> firing_threshold(10.0, 1.0, rules.ActivationNormSpike())  # 2 x 10 > 10 + 10 x 1
+>>> firing_threshold(10.0, 1.0, ActivationNormSpike())  # 2 x 10 > 10 + 10 x 1
 20.0
 """
 
@@ -18,23 +18,23 @@ import math
 from typing import Any
 
 from ampwatch.agent.wire import WireFloat, decode_float
-from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import fmt, times
+from ampwatch.server.alerts.rule_settings import ActivationNormSpike
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.baselines import Baseline
 from ampwatch.server.models import Severity
 from ampwatch.server.schemas.wire import StepIn
 
 
-def judged_fields(rule: rules.ActivationNormSpike) -> tuple[str, ...]:
+def judged_fields(rule: ActivationNormSpike) -> tuple[str, ...]:
     """The step fields the rule judges, first reported first: before the final norm when
     the agent measured it (the norm holds a divergence down after it: on the lr blow-up
     scenario the value before it reached x2 its median 9 steps earlier), the signal before
     the other statistic. An agent measures the pre-norm value on every step or on none, so
     one run's baseline is never a mix.
 
-    >>> judged_fields(rules.ActivationNormSpike())[0]
+    >>> judged_fields(ActivationNormSpike())[0]
     'act_prenorm_mean'
     """
     return _fields_of(rule.signal)
@@ -48,7 +48,7 @@ def _fields_of(signal: str) -> tuple[str, ...]:
     return (*(n.replace("act_norm", "act_prenorm") for n in names), *names)
 
 
-def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
+def act_value(record: StepIn, rule: ActivationNormSpike) -> float | None:
     """The step's norm to judge (`judged_fields`)."""
     for name in judged_fields(rule):
         raw: WireFloat | None = getattr(record, name)
@@ -58,7 +58,7 @@ def act_value(record: StepIn, rule: rules.ActivationNormSpike) -> float | None:
     return None
 
 
-def firing_threshold(median: float, mad: float, rule: rules.ActivationNormSpike) -> float:
+def firing_threshold(median: float, mad: float, rule: ActivationNormSpike) -> float:
     """The value above which a step spikes against a baseline of (`median`, scaled `mad`):
     at least min_ratio x the median and, with a spread, more than z_threshold robust
     deviations above it (`activation_spike`'s test, as one number to draw)."""
@@ -66,7 +66,7 @@ def firing_threshold(median: float, mad: float, rule: rules.ActivationNormSpike)
     return ratio if mad == 0 else max(ratio, median + rule.z_threshold * mad)
 
 
-def _scale_falling(d: StepState, s: int, rule: rules.ActivationNormSpike) -> bool:
+def _scale_falling(d: StepState, s: int, rule: ActivationNormSpike) -> bool:
     """The loss scale fell by 2^scale_fall_octaves within the last scale_fall_window steps."""
     octaves = sum(o for step, o in d.falls if s - step <= rule.scale_fall_window)
     return bool(octaves >= rule.scale_fall_octaves)
@@ -78,7 +78,7 @@ def activation_spike(
     s: int,
     value: float,
     baseline: Baseline | None,
-    rule: rules.ActivationNormSpike,
+    rule: ActivationNormSpike,
 ) -> tuple[float, bool] | None:
     """Judge step `s`'s `value`; returns (its firing threshold, spiking) when it judged."""
     falling = _scale_falling(d, s, rule)

@@ -39,9 +39,9 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import fmt
+from ampwatch.server.alerts.rule_settings import LossCollapse
 from ampwatch.server.alerts.spikes import covered_from
 from ampwatch.server.baselines import Baseline
 
@@ -104,7 +104,7 @@ def judge(
     loss_baseline: Baseline | None,
     norm: float | None,
     norm_baseline: Baseline | None,
-    rule: rules.LossCollapse,
+    rule: LossCollapse,
 ) -> None:
     """Judge step `s`'s learned loss and grad norm (either may be None) against their
     baselines, and hold or clear the run's `loss_collapse`."""

@@ -30,7 +30,8 @@ from pydantic import ValidationError
 from sqlalchemy import or_, select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.alerts.rules import RULES, RuleSettings
+from ampwatch.server.alerts.rule_settings import RuleSettings
+from ampwatch.server.alerts.rules import RULES
 from ampwatch.server.models import AlertConfig, Run
 
 if sys.version_info >= (3, 11):

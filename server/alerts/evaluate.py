@@ -21,9 +21,11 @@ The rules live by family: `scale` (collapse, floor stall, skip rate, nan_loss's 
 `activation` (activation_norm_spike), `spikes` (loss / grad-norm spikes, overflow bursts,
 the falling-scale trend), `collapse` (loss_collapse: the loss or grad norm falling off a
 cliff to ~0, against the spike rules' baselines), `layers` (silent_underflow, underflow_risk), `fp8` (fp8_risk,
-against the recipe the run_start declares). This module walks a
-batch's steps in order and calls them. A new scalar rule: a settings class in `rules.py`,
-a function in its family's module called from `_evaluate_steps`, a README row.
+against the recipe the run_start declares). This module applies the batch's events
+(`events.apply_events`), then walks its steps in order and calls them (`_StepWalk`: the
+state moved to the step, then a phase per family). A new scalar rule: a settings class in
+`rule_settings.py` and its row in `rules.py`, a function in its family's module called
+from its family's phase of `_StepWalk`, a README row.
 
 Records at or before the state's last step (a retried or late batch) are ignored by the
 rolling state, so they can never corrupt a window or a baseline; they are still stored.
@@ -45,26 +47,36 @@ from typing import Any, TypeVar
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.agent.wire import SCALER_CALIBRATED, decode_float
+from ampwatch.agent.wire import decode_float
 from ampwatch.server.alerts import collapse as collapse_rule
-from ampwatch.server.alerts import precursors, rules, spikes
+from ampwatch.server.alerts import precursors, spikes
 from ampwatch.server.alerts.activation import act_value, activation_spike
 from ampwatch.server.alerts.config import run_settings
-from ampwatch.server.alerts.fp8 import RULE as FP8_RULE
+from ampwatch.server.alerts.events import apply_events
 from ampwatch.server.alerts.layers import LayerSamples, LayerState
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import finite
+from ampwatch.server.alerts.rule_settings import (
+    ActivationNormSpike,
+    GradNormSpike,
+    LossCollapse,
+    LossScaleCollapse,
+    LossSpike,
+    NanLoss,
+    OverflowBurst,
+    RuleSettings,
+    ScaleFloorStall,
+    SkipRate,
+)
 from ampwatch.server.alerts.scale import (
     loss_scale_collapse,
     nan_detail,
-    reported_floor,
     scale_floor_stall,
     track_low_scale,
 )
 from ampwatch.server.alerts.scale import skip_rate as judge_skip_rate
 from ampwatch.server.alerts.state import StepState
-from ampwatch.server.baselines import remember, rolling_baselines
-from ampwatch.server.fp8_readiness import recipe_of
+from ampwatch.server.baselines import Baseline, remember, rolling_baselines
 from ampwatch.server.models import AlertState, Run
 from ampwatch.server.schemas.wire import BatchIn, StepIn
 
@@ -119,7 +131,7 @@ def _evaluate(
     if tracker.is_open("no_data"):  # data arrived: the agent is reporting again
         tracker.resolve("no_data", steps_state.last_step or 0)
     recipe = steps_state.fp8_recipe
-    restarted = _apply_events(tracker, steps_state, batch, settings)
+    restarted = apply_events(tracker, steps_state, batch, settings)
     layers_state = None
     if batch.layer_stats or (restarted is not None and LAYERS_KEY in rows):
         layers_state = LayerState(rows[LAYERS_KEY].data if LAYERS_KEY in rows else None)
@@ -167,56 +179,6 @@ def _save(
         row.updated_at = now
 
 
-# -- scalar rules -------------------------------------------------------------------------
-
-
-def _apply_events(
-    tracker: Tracker, state: StepState, batch: BatchIn, settings: dict[str, rules.RuleSettings]
-) -> int | None:
-    """Findings raise their rules; a `run_start` of the followed rank (a new process: the
-    run started or resumed, maybe from an earlier checkpoint) restarts calibration and the
-    step sequence and resolves the old process's findings; a `resumed` one (`watch(resume_from=
-    plan)`) resolves every open alert. Returns that rank, if any."""
-    restarted = None
-    for event in batch.events:
-        step = event.step if event.step is not None else (state.last_step or 0)
-        if event.kind == "run_start":
-            rank = event.data.get("rank", 0)
-            rank = rank if isinstance(rank, int) and not isinstance(rank, bool) else 0
-            if state.rank is not None and rank != state.rank:
-                continue  # another rank's process: the followed one still runs
-            state.reset_process()
-            state.min_loss_scale = reported_floor(event.data)
-            state.calibrated_at_start = event.data.get(SCALER_CALIBRATED) is True
-            state.last_step = None
-            restarted = rank
-            for rule in rules.FINDING_RULES.values():  # a new process reports its own findings
-                tracker.resolve(rule, step)
-            recipe = recipe_of(event.data)
-            if recipe != state.fp8_recipe:  # judged against another recipe, or none, now
-                state.fp8_recipe = recipe
-                for layer in tracker.open_layers(FP8_RULE):
-                    tracker.resolve(FP8_RULE, step, layer=layer)
-        elif event.kind == "finding":
-            code = str(event.data.get("code"))
-            if code == "fp16_params_without_scaler":
-                state.fp16_without_scaler = True
-            finding_rule = rules.FINDING_RULES.get(code)
-            if finding_rule is None or not settings[finding_rule].enabled:
-                continue  # bf16_in_use, fp8_in_use: facts, shown as events
-            message = str(event.data.get("message") or finding_rule)
-
-            def detail(message: str = message, data: dict[str, Any] = event.data,
-                       step: int = step) -> tuple[str, dict[str, Any]]:  # fmt: skip
-                return f"{message} (reported at step {step})", {"finding": data, "step": step}
-
-            tracker.holds(finding_rule, step, detail)
-        elif event.kind == "resumed":  # from a resume plan: the abandoned steps' alerts end
-            for rule, layer in list(tracker.open):
-                tracker.resolve(rule, step, layer=layer)
-    return restarted
-
-
 class RuleGuard:
     """Runs one rule's judgement of one step; a rule that raises is logged and judges no
     more of this batch, while the other rules, the state and every other alert of the
@@ -260,149 +222,185 @@ def _evaluate_steps(
     tracker: Tracker,
     state: StepState,
     records: list[StepIn],
-    settings: dict[str, rules.RuleSettings],
+    settings: dict[str, RuleSettings],
     samples: LayerSamples | None = None,
     guard: RuleGuard | None = None,
     early: precursors.PrecursorState | None = None,
 ) -> Judged:
-    """Run the scalar rules over the batch's steps, step by step; before each step, the
-    layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
+    """Run the scalar rules over the batch's steps, step by step (`_StepWalk`); before each
+    step, the layer `samples` of earlier steps are judged. Steps whose gradients had Inf/NaN
     (skipped, or a non-finite loss) go to `samples.bad_steps` for the underflow rules.
     Returns activation_norm_spike's judgements (`Judged`)."""
-    collapse: rules.LossScaleCollapse = settings["loss_scale_collapse"]  # type: ignore[assignment]
-    skip_rate: rules.SkipRate = settings["skip_rate"]  # type: ignore[assignment]
-    spike: rules.ActivationNormSpike = settings["activation_norm_spike"]  # type: ignore[assignment]
-    stall: rules.ScaleFloorStall = settings["scale_floor_stall"]  # type: ignore[assignment]
-    nan_loss: rules.NanLoss = settings["nan_loss"]  # type: ignore[assignment]
-    loss_rule: rules.LossSpike = settings["loss_spike"]  # type: ignore[assignment]
-    norm_rule: rules.GradNormSpike = settings["grad_norm_spike"]  # type: ignore[assignment]
-    burst: rules.OverflowBurst = settings["overflow_burst"]  # type: ignore[assignment]
-    fell: rules.LossCollapse = settings["loss_collapse"]  # type: ignore[assignment]
-    d = state
-    recent = d.recent
-    width = spikes.window_width(settings)
     steps = _primary_steps(state, records)
-    values = [act_value(record, spike) for record in steps] if spike.enabled else []
-    baselines = rolling_baselines(d.act, values, spike.baseline_steps, spike.min_baseline_steps)
-    # What the spike rules learn from each step, and each step's baseline before it.
-    losses = [decode_float(record.loss) if record.loss is not None else None for record in steps]
-    learned_losses, learned_norms, loss_baselines, norm_baselines = [], [], [], []
-    if loss_rule.enabled or fell.enabled:  # loss_collapse judges against the same medians
-        learned_losses = [spikes.learned(loss, r.skipped) for loss, r in zip(losses, steps)]
-        loss_baselines = spikes.baselines(recent.losses, learned_losses, loss_rule)
-    if norm_rule.enabled or fell.enabled:
-        learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
-        norm_baselines = spikes.baselines(recent.grad_norms, learned_norms, norm_rule)
-    judged: Judged = []
-    guard = guard or RuleGuard(tracker.run.id)
+    walk = _StepWalk(tracker, state, settings, guard or RuleGuard(tracker.run.id), steps,
+                     samples=samples, early=early)  # fmt: skip
     for i, record in enumerate(steps):
-        s = record.step
-        if samples is not None:
-            guard("layer rules", s, samples.judge_until, s)
+        walk.step(i, record)
+    walk.learn()
+    return walk.judged
+
+
+S = TypeVar("S", bound=RuleSettings)
+
+
+def _rule(settings: dict[str, RuleSettings], name: str, kind: type[S]) -> S:
+    rule = settings[name]
+    assert isinstance(rule, kind)
+    return rule
+
+
+class _StepWalk:
+    """One batch's walk of the scalar rules over the followed rank's new steps. The batch's
+    series and their rolling baselines are computed for the whole batch first (vectorised:
+    each step's baseline is of the values before it, so a cut between batches never changes
+    one); then `step`, phase by phase: the layer samples before the step, the state moved
+    to it, each rule family's judgement; and `learn`, the baselines' rings after the batch."""
+
+    def __init__(
+        self,
+        tracker: Tracker,
+        state: StepState,
+        settings: dict[str, RuleSettings],
+        guard: RuleGuard,
+        steps: list[StepIn],
+        *,
+        samples: LayerSamples | None,
+        early: precursors.PrecursorState | None,
+    ) -> None:
+        self.tracker, self.d, self.settings, self.guard = tracker, state, settings, guard
+        self.samples, self.early = samples, early
+        self.judged: Judged = []
+        self.collapse = _rule(settings, "loss_scale_collapse", LossScaleCollapse)
+        self.skip_rate = _rule(settings, "skip_rate", SkipRate)
+        self.spike = _rule(settings, "activation_norm_spike", ActivationNormSpike)
+        self.stall = _rule(settings, "scale_floor_stall", ScaleFloorStall)
+        self.nan_loss = _rule(settings, "nan_loss", NanLoss)
+        self.loss_rule = _rule(settings, "loss_spike", LossSpike)
+        self.norm_rule = _rule(settings, "grad_norm_spike", GradNormSpike)
+        self.burst = _rule(settings, "overflow_burst", OverflowBurst)
+        self.fell = _rule(settings, "loss_collapse", LossCollapse)
+        self.width = spikes.window_width(settings)
+        self._series(steps)
+
+    def _series(self, steps: list[StepIn]) -> None:
+        """What each rule learns from each step, and each step's baseline before it."""
+        spike, recent = self.spike, self.d.recent
+        self.acts = [act_value(record, spike) for record in steps] if spike.enabled else []
+        self.act_baselines = rolling_baselines(self.d.act, self.acts, spike.baseline_steps,
+                                               spike.min_baseline_steps)  # fmt: skip
+        self.losses = [decode_float(r.loss) if r.loss is not None else None for r in steps]
+        self.learns_losses = self.loss_rule.enabled or self.fell.enabled  # (the same medians)
+        self.learns_norms = self.norm_rule.enabled or self.fell.enabled
+        self.learned_losses: list[float | None] = []
+        self.learned_norms: list[float | None] = []
+        self.loss_baselines: list[Baseline | None] = []
+        self.norm_baselines: list[Baseline | None] = []
+        if self.learns_losses:
+            self.learned_losses = [spikes.learned(loss, r.skipped)
+                                   for loss, r in zip(self.losses, steps)]  # fmt: skip
+            self.loss_baselines = spikes.baselines(recent.losses, self.learned_losses,
+                                                   self.loss_rule)  # fmt: skip
+        if self.learns_norms:
+            self.learned_norms = [spikes.learned(finite(r.grad_norm), r.skipped) for r in steps]
+            self.norm_baselines = spikes.baselines(recent.grad_norms, self.learned_norms,
+                                                   self.norm_rule)  # fmt: skip
+
+    def step(self, i: int, record: StepIn) -> None:
+        """Judge the batch's `i`th step."""
+        s, d = record.step, self.d
+        if self.samples is not None and self.samples.due(s):
+            self.guard("layer rules", s, self.samples.judge_until, s)
         scale = finite(record.loss_scale)
-        loss = losses[i]
-        skipped = record.skipped
+        loss = self.losses[i]
         nan = loss is not None and not math.isfinite(loss)
-        if skipped or nan:
-            if samples is not None:
-                samples.bad_steps.append(s)
+        self._move_state(s, scale, record.skipped, record.skipped or nan)
+        self._scale_rules(s, scale, record.skipped)
+        self._spike_rules(i, s)
+        if self.nan_loss.enabled and loss is not None:
+            self._judge_nan_loss(s, loss, nan)
+        if self.spike.enabled and (act := self.acts[i]) is not None:
+            judgement = self.guard("activation_norm_spike", s, activation_spike, self.tracker,
+                                   d, s, act, self.act_baselines[i], self.spike)  # fmt: skip
+            if judgement is not None:
+                self.judged.append((record.rank, s, *judgement))
+        if self.early is not None:
+            self.guard("precursors", s, precursors.judge_step, self.tracker, self.early, record,
+                       calibrating=d.calibrating, settings=self.settings)  # fmt: skip
+        d.last_step = s
+
+    def _move_state(self, s: int, scale: float | None, skipped: bool, bad: bool) -> None:
+        """Move the step state to step `s`, before any rule judges it; `bad`: its gradients
+        had Inf/NaN."""
+        d = self.d
+        if bad:
+            if self.samples is not None:
+                self.samples.bad_steps.append(s)
             d.last_skip = s
         if d.first_step is None:
             d.first_step = s
-
-        recent.observe(s, scale, skipped, width=width)
-        # Warm-up calibration: a cascade that starts with the process (one of its first
-        # calibration_start_steps skipped), until a run of clean steps (or a cap). A
-        # process whose first steps are clean has a calibrated (restored) scaler.
+        d.recent.observe(s, scale, skipped, width=self.width)
         if d.calibrating:
-            d.clean_run = 0 if skipped else d.clean_run + 1
-            d.process_steps = d.process_steps + 1
-            d.cascade = d.cascade or skipped
-            if (d.calibrated_at_start
-                    or d.clean_run >= collapse.calibration_clean_steps
-                    or s - d.first_step >= collapse.calibration_max_steps
-                    or (not d.cascade
-                        and d.process_steps >= collapse.calibration_start_steps)):  # fmt: skip
-                d.calibrating = False
-                d.counted_from = s
-                d.changes = [[s, scale]] if scale is not None else []
-                d.skips = []
-                d.last_fall = None
-
-        # The loss scale's change points within the fall window (the first one: the
-        # scale in effect at the window's start).
+            d.calibrate(s, scale, skipped, self.collapse)
         if scale is not None:
-            d.scale_seen = True
-            previous = d.scale
-            if previous is not None and scale < previous:
-                d.last_fall = s
-                # Differences of logs: a quotient of two doubles can overflow to Inf.
-                octaves = math.log2(previous) - math.log2(scale) if scale > 0 else 128.0
-                d.falls.append([s, octaves])
-            falls = d.falls
-            while falls and falls[0][0] < s - spike.scale_fall_window:
-                falls.pop(0)
-            if previous is None or scale != previous or not d.changes:
-                d.changes.append([s, scale])
-            d.scale = scale
-            changes = d.changes
-            cut = 0
-            while cut + 1 < len(changes) and changes[cut + 1][0] <= s - collapse.window_steps:
-                cut += 1
-            if cut:
-                del changes[:cut]
-            track_low_scale(d, recent, s, scale, skipped, collapse)
-        if skipped:
-            if d.skip_run == 0:
-                d.skip_run_start = s
-            d.skip_run += 1
-        else:
-            d.skip_run = 0
+            d.observe_scale(s, scale, fall_window=self.spike.scale_fall_window,
+                            change_window=self.collapse.window_steps)  # fmt: skip
+            track_low_scale(d, d.recent, s, scale, skipped, self.collapse)
+        d.observe_skip(s, skipped)
 
-        guard("scale_floor_stall", s, scale_floor_stall, tracker, d, s, scale, skipped, stall)
-        if collapse.enabled:
-            guard("loss_scale_collapse", s, loss_scale_collapse, tracker, d, s, scale, collapse)
-        if skip_rate.enabled and not d.calibrating:
-            guard("skip_rate", s, judge_skip_rate, tracker, d, s, skipped, skip_rate)
-        if burst.enabled and not d.calibrating:
-            guard("overflow_burst", s, spikes.overflow_burst, tracker, recent, s, scale, burst)
-        if loss_rule.enabled and (value := learned_losses[i]) is not None:
+    def _scale_rules(self, s: int, scale: float | None, skipped: bool) -> None:
+        """The loss-scale rules; skip_rate and overflow_burst only after calibration."""
+        d, guard, tracker = self.d, self.guard, self.tracker
+        guard("scale_floor_stall", s, scale_floor_stall, tracker, d, s, scale, skipped, self.stall)
+        if self.collapse.enabled:
+            guard("loss_scale_collapse", s, loss_scale_collapse, tracker, d, s, scale,
+                  self.collapse)  # fmt: skip
+        if d.calibrating:
+            return
+        if self.skip_rate.enabled:
+            guard("skip_rate", s, judge_skip_rate, tracker, d, s, skipped, self.skip_rate)
+        if self.burst.enabled:
+            guard("overflow_burst", s, spikes.overflow_burst, tracker, d.recent, s, scale,
+                  self.burst)  # fmt: skip
+
+    def _spike_rules(self, i: int, s: int) -> None:
+        """loss_spike, grad_norm_spike (judged after calibration, learned throughout) and
+        loss_collapse, against the same rolling medians."""
+        d, guard, tracker, recent = self.d, self.guard, self.tracker, self.d.recent
+        if self.loss_rule.enabled and (value := self.learned_losses[i]) is not None:
             if not d.calibrating:
                 guard("loss_spike", s, spikes.judge, tracker, "loss_spike", "loss", s, value,
-                      loss_baselines[i], loss_rule,
+                      self.loss_baselines[i], self.loss_rule,
                       onset=spikes.covered_from(recent.loss_step, s))  # fmt: skip
             recent.loss_step = s
-        if norm_rule.enabled and (norm := learned_norms[i]) is not None:
+        if self.norm_rule.enabled and (norm := self.learned_norms[i]) is not None:
             if not d.calibrating:
                 guard("grad_norm_spike", s, spikes.judge, tracker, "grad_norm_spike",
-                      "global grad norm", s, norm, norm_baselines[i], norm_rule)  # fmt: skip
+                      "global grad norm", s, norm, self.norm_baselines[i],
+                      self.norm_rule)  # fmt: skip
             recent.norm_step = s
-        if fell.enabled:
+        if self.fell.enabled:
             guard("loss_collapse", s, collapse_rule.judge, tracker, d.collapse, s,
-                  learned_losses[i], loss_baselines[i], learned_norms[i], norm_baselines[i],
-                  fell)  # fmt: skip
-        if nan_loss.enabled and loss is not None:
-            if nan:
-                d.nan_since = d.nan_since if d.nan_since is not None else s
-                tracker.holds("nan_loss", s, nan_detail(s, loss, d.nan_since),
-                              onset=d.nan_since)  # fmt: skip
-            else:
-                d.nan_since = None
-                tracker.clear("nan_loss", s)
-        if spike.enabled and (act := values[i]) is not None:
-            judgement = guard("activation_norm_spike", s, activation_spike, tracker, d, s, act,
-                              baselines[i], spike)  # fmt: skip
-            if judgement is not None:
-                judged.append((record.rank, s, *judgement))
-        if early is not None:
-            guard("precursors", s, precursors.judge_step, tracker, early, record,
-                  calibrating=d.calibrating, settings=settings)  # fmt: skip
-        d.last_step = s
+                  self.learned_losses[i], self.loss_baselines[i], self.learned_norms[i],
+                  self.norm_baselines[i], self.fell)  # fmt: skip
 
-    if spike.enabled:
-        d.act = remember(d.act, values, spike.baseline_steps)
-    if loss_rule.enabled or fell.enabled:
-        recent.losses = remember(recent.losses, learned_losses, loss_rule.baseline_samples)
-    if norm_rule.enabled or fell.enabled:
-        recent.grad_norms = remember(recent.grad_norms, learned_norms, norm_rule.baseline_samples)
-    return judged
+    def _judge_nan_loss(self, s: int, loss: float, nan: bool) -> None:
+        d = self.d
+        if nan:
+            d.nan_since = d.nan_since if d.nan_since is not None else s
+            self.tracker.holds("nan_loss", s, nan_detail(s, loss, d.nan_since),
+                               onset=d.nan_since)  # fmt: skip
+        else:
+            d.nan_since = None
+            self.tracker.clear("nan_loss", s)
+
+    def learn(self) -> None:
+        """The batch's values join the rings the next batch's baselines start from."""
+        d, recent = self.d, self.d.recent
+        if self.spike.enabled:
+            d.act = remember(d.act, self.acts, self.spike.baseline_steps)
+        if self.learns_losses:
+            recent.losses = remember(recent.losses, self.learned_losses,
+                                     self.loss_rule.baseline_samples)  # fmt: skip
+        if self.learns_norms:
+            recent.grad_norms = remember(recent.grad_norms, self.learned_norms,
+                                         self.norm_rule.baseline_samples)  # fmt: skip

@@ -16,8 +16,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ampwatch.agent import wire
-from ampwatch.server.alerts import rules
+from ampwatch.server.alerts.layer_settings import Fp8Risk
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.rule_settings import RuleSettings
 from ampwatch.server.fp8_readiness import recipe_scores
 from ampwatch.server.schemas.wire import LayerStatsIn
 
@@ -38,12 +39,12 @@ def fp8_risk(
     state: LayerState,
     records: list[LayerStatsIn],
     recipe: str | None,
-    settings: dict[str, rules.RuleSettings],
+    settings: dict[str, RuleSettings],
 ) -> None:
     """Judge the FP8 `records` (of steps in order) against the declared `recipe`; a run
     that declares none is not judged."""
     rule = settings[RULE]
-    assert isinstance(rule, rules.Fp8Risk)
+    assert isinstance(rule, Fp8Risk)
     if recipe is None or not rule.enabled:
         return
     samples: dict[tuple[int, int], list[LayerStatsIn]] = {}
@@ -60,7 +61,7 @@ def _judge(
     rank: int,
     sample: list[LayerStatsIn],
     recipe: str,
-    rule: rules.Fp8Risk,
+    rule: Fp8Risk,
 ) -> None:
     names: list[str] = []
     position: dict[str, int] = {}
@@ -99,7 +100,7 @@ def _detail(
     name: str,
     step: int,
     recipe: str,
-    rule: rules.Fp8Risk,
+    rule: Fp8Risk,
     roles: dict[str, float],
     data: dict[tuple[str, int], np.ndarray],
     j: int,

@@ -13,9 +13,11 @@ from typing import Any
 import numpy as np
 
 from ampwatch.agent.wire import LAYER_STATS
-from ampwatch.server.alerts import precursors, rules
+from ampwatch.server.alerts import precursors
 from ampwatch.server.alerts.fp8 import FP8_RECORD_STATS, fp8_risk
+from ampwatch.server.alerts.layer_settings import FlushTrend, SilentUnderflow, UnderflowRisk
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.rule_settings import RuleSettings
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.schemas.wire import LayerStatsIn
 
@@ -100,7 +102,7 @@ class LayerSamples:
         steps: StepState,
         state: LayerState | None,
         records: list[LayerStatsIn],
-        settings: dict[str, rules.RuleSettings],
+        settings: dict[str, RuleSettings],
     ) -> None:
         self.tracker = tracker
         self.steps = steps
@@ -114,6 +116,10 @@ class LayerSamples:
         #: Steps whose gradients had Inf/NaN, in step order: the last one of earlier
         #: batches, then this batch's as `_evaluate_steps` meets them.
         self.bad_steps: list[int] = [last_skip] if last_skip is not None else []
+
+    def due(self, step: int) -> bool:
+        """A sample of a step before `step` waits to be judged (asked at every step)."""
+        return self.next < len(self.queue) and self.queue[self.next].step < step
 
     def judge_until(self, step: int | None) -> None:
         """Judge the samples of steps before `step` (None: all that are left). An FP8
@@ -133,8 +139,8 @@ class LayerSamples:
     def _judge(self, record: LayerStatsIn, state: LayerState) -> None:
         underflow = self.settings["silent_underflow"]
         risk = self.settings["underflow_risk"]
-        assert isinstance(underflow, rules.SilentUnderflow)
-        assert isinstance(risk, rules.UnderflowRisk)
+        assert isinstance(underflow, SilentUnderflow)
+        assert isinstance(risk, UnderflowRisk)
         if not GRADIENT_STATS.intersection(record.stats):
             return  # FP8 readiness records (wire.FP8_STATS) say nothing of underflow
         d = self.steps
@@ -163,7 +169,7 @@ class LayerSamples:
         if flush is not None and judge_risk:
             _underflow_risk(self.tracker, state, record, idx, flush, subnormal, fresh_ok, risk)
         trend = self.settings["flush_trend"]
-        assert isinstance(trend, rules.FlushTrend)
+        assert isinstance(trend, FlushTrend)
         early = self.precursors
         if flush is not None and trend.enabled and early is not None and fp16 and not calibrating:
             precursors.judge_flush(self.tracker, early, record, flush, fresh_ok, trend)
@@ -179,7 +185,7 @@ def _silent_underflow(
     fresh: np.ndarray,
     explained: bool,
     calibrating: bool,
-    rule: rules.SilentUnderflow,
+    rule: SilentUnderflow,
 ) -> None:
     s = record.step
     valid = fresh & np.isfinite(zero)
@@ -252,7 +258,7 @@ def _underflow_risk(
     flush: np.ndarray,
     subnormal: np.ndarray | None,
     fresh: np.ndarray,
-    rule: rules.UnderflowRisk,
+    rule: UnderflowRisk,
 ) -> None:
     s = record.step
     valid = fresh & np.isfinite(flush)

@@ -40,7 +40,8 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import dumps
 from ampwatch.server import outbox, run_version
-from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER, RuleSettings
+from ampwatch.server.alerts.rule_settings import RuleSettings
+from ampwatch.server.alerts.rules import INHIBITED_BY_COLLAPSE, RULES, SEVERITY_ORDER
 from ampwatch.server.models import Alert, Run, Severity
 
 #: A deferred (message, values) for an alert: built only when it is written.

@@ -15,9 +15,9 @@ from collections.abc import Mapping
 from typing import Any
 
 from ampwatch.agent import wire
-from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import fmt, octaves
+from ampwatch.server.alerts.rule_settings import LossScaleCollapse, ScaleFloorStall, SkipRate
 from ampwatch.server.alerts.spikes import RecentState, still_falling
 from ampwatch.server.alerts.state import StepState
 
@@ -34,7 +34,7 @@ def reported_floor(run_start: Mapping[str, Any]) -> float | None:
     return float(floor) if math.isfinite(floor) and floor > 0 else None
 
 
-def near_floor(d: StepState, rule: rules.LossScaleCollapse) -> float | None:
+def near_floor(d: StepState, rule: LossScaleCollapse) -> float | None:
     """The scale below which a skip threatens a run that reported its floor: that skip's
     halving and a burst of 3 more would cross the floor (2^floor_headroom_octaves x it)."""
     if d.min_loss_scale is None:
@@ -48,7 +48,7 @@ def track_low_scale(
     s: int,
     scale: float,
     skipped: bool,
-    rule: rules.LossScaleCollapse,
+    rule: LossScaleCollapse,
 ) -> None:
     """Move the low-scale test to step `s`: a scale near the reported floor is a collapse
     once it skips there; a scale below min_scale (or skipping at it) while it is still
@@ -75,7 +75,7 @@ def track_low_scale(
 
 
 def loss_scale_collapse(
-    tracker: Tracker, d: StepState, s: int, scale: float | None, rule: rules.LossScaleCollapse
+    tracker: Tracker, d: StepState, s: int, scale: float | None, rule: LossScaleCollapse
 ) -> None:
     parts: list[str] = []
     values: dict[str, Any] = {"step": s, "loss_scale": scale}
@@ -130,7 +130,7 @@ def loss_scale_collapse(
     tracker.holds("loss_scale_collapse", s, lambda: (message, values), onset=min(onsets))
 
 
-def _fall_start(changes: list[list[Any]], peak_index: int, rule: rules.LossScaleCollapse) -> int:
+def _fall_start(changes: list[list[Any]], peak_index: int, rule: LossScaleCollapse) -> int:
     """Index of the change point where the current fall began: walking back from the last
     decrease, earlier decreases belong to it while they came at the pace the rule looks
     for (at most window_steps / fall_octaves apart); a longer plateau before a decrease
@@ -152,7 +152,7 @@ def scale_floor_stall(
     s: int,
     scale: float | None,
     skipped: bool,
-    rule: rules.ScaleFloorStall,
+    rule: ScaleFloorStall,
 ) -> None:
     if skipped and scale is not None and scale > 0:
         if d.stall_run and d.stall_scale == scale:
@@ -191,7 +191,7 @@ def scale_floor_stall(
         tracker.clear("scale_floor_stall", s)
 
 
-def skip_rate(tracker: Tracker, d: StepState, s: int, skipped: bool, rule: rules.SkipRate) -> None:
+def skip_rate(tracker: Tracker, d: StepState, s: int, skipped: bool, rule: SkipRate) -> None:
     skips: list[int] = d.skips
     if skipped:
         skips.append(s)

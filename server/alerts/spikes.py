@@ -23,12 +23,19 @@ from __future__ import annotations
 
 import bisect
 import math
+import operator
 from dataclasses import asdict, dataclass, field
 from typing import Any, NamedTuple
 
-from ampwatch.server.alerts import rules
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import ratio, times
+from ampwatch.server.alerts.rule_settings import (
+    GradNormSpike,
+    LossScaleCollapse,
+    LossSpike,
+    OverflowBurst,
+    RuleSettings,
+)
 from ampwatch.server.baselines import Baseline, remember, rolling_baselines
 
 
@@ -70,9 +77,10 @@ class RecentState:
         """Skipped steps in (step - width, step], optionally only those at scale <= max_scale.
         The window is in step order: only its last steps are read (overflow_burst asks for
         8 of its 50 at every step)."""
-        start = bisect.bisect_right(self.window, step - width, key=lambda w: int(w[0]))
-        return [s for s, scale, skipped in self.window[start:] if skipped
-                and (max_scale is None or (scale is not None and scale <= max_scale))]  # fmt: skip
+        start = bisect.bisect_right(self.window, step - width, key=_step_of)
+        skips = filter(_skipped_of, self.window[start:])  # (the few skips, found without a loop)
+        return [s for s, scale, _ in skips
+                if max_scale is None or (scale is not None and scale <= max_scale)]  # fmt: skip
 
     def skipped_run(self, step: int, width: int) -> list[int]:
         """The skipped steps in (step - width, step] after its last applied step: the
@@ -85,17 +93,27 @@ class RecentState:
         return run[::-1]
 
     def fall_octaves(self, step: int, scale: float, width: int) -> float:
-        """Halvings from the highest scale of the last `width` steps down to `scale`."""
-        scales = [w[1] for w in self.window if w[0] > step - width and w[1] is not None]
-        peak = max(scales, default=scale)
+        """Halvings from the highest scale of the last `width` steps down to `scale`. Asked
+        at every step while a scale sits below min_scale: the window's steps are found by
+        bisection and its scales read without a Python loop."""
         if scale <= 0:
             return 128.0
+        start = bisect.bisect_right(self.window, step - width, key=_step_of)
+        try:
+            peak = max(map(_scale_of, self.window[start:]), default=scale)
+        except TypeError:  # a step without a scale (None) among them
+            peak = max((v for _, v, _ in self.window[start:] if v is not None), default=scale)
+        if peak is None:  # (`max` of the one step, without a scale)
+            peak = scale
         return max(0.0, math.log2(peak) - math.log2(scale))  # a quotient could overflow
 
 
-def still_falling(
-    state: RecentState, step: int, scale: float, rule: rules.LossScaleCollapse
-) -> bool:
+_step_of = operator.itemgetter(0)
+_scale_of = operator.itemgetter(1)
+_skipped_of = operator.itemgetter(2)
+
+
+def still_falling(state: RecentState, step: int, scale: float, rule: LossScaleCollapse) -> bool:
     """A low scale is a collapse while it falls: 2^trend_octaves within trend_steps, or
     trend_skips skipped steps at or below min_scale there."""
     if state.fall_octaves(step, scale, rule.trend_steps) >= rule.trend_octaves:
@@ -104,10 +122,10 @@ def still_falling(
     return bool(len(low_skips) >= rule.trend_skips)
 
 
-def window_width(settings: dict[str, rules.RuleSettings]) -> int:
+def window_width(settings: dict[str, RuleSettings]) -> int:
     collapse = settings["loss_scale_collapse"]
     burst = settings["overflow_burst"]
-    assert isinstance(collapse, rules.LossScaleCollapse) and isinstance(burst, rules.OverflowBurst)
+    assert isinstance(collapse, LossScaleCollapse) and isinstance(burst, OverflowBurst)
     return int(max(collapse.trend_steps, burst.window_steps))
 
 
@@ -170,7 +188,7 @@ def learned(value: float | None, skipped: bool) -> float | None:
 
 
 def baselines(
-    ring: list[float], values: list[float | None], rule: rules.LossSpike | rules.GradNormSpike
+    ring: list[float], values: list[float | None], rule: LossSpike | GradNormSpike
 ) -> list[Baseline | None]:
     """Each step's baseline for `rule`, from its `learned` values (`rolling_baselines`)."""
     return rolling_baselines(ring, values, rule.baseline_samples, rule.min_baseline_samples)
@@ -185,7 +203,7 @@ def covered_from(previous: int | None, s: int) -> int:
 
 def judge(
     tracker: Tracker, name: str, what: str, s: int, value: float, baseline: Baseline | None,
-    rule: rules.LossSpike | rules.GradNormSpike, *, onset: int | None = None,
+    rule: LossSpike | GradNormSpike, *, onset: int | None = None,
 ) -> None:  # fmt: skip
     """Judge step `s`'s learned `value` (loss_spike: "loss"; grad_norm_spike: "global grad
     norm") against its baseline. `onset`: the first step the value stands for; the alert
@@ -205,7 +223,7 @@ LateNorm = tuple[int, int, float, bool]
 
 def judge_late_norms(
     tracker: Tracker, state: RecentState, late: list[LateNorm], rank: int | None,
-    rule: rules.GradNormSpike, *, calibrating: bool,
+    rule: GradNormSpike, *, calibrating: bool,
 ) -> None:  # fmt: skip
     """Judge and learn the followed `rank`'s grad norms that ingest combined after the
     engine had read their steps (the last part of a sharded step came with another rank's
@@ -245,7 +263,7 @@ def _detail(what: str, s: int, spike: Spike) -> Detail:
 
 
 def overflow_burst(
-    tracker: Any, state: RecentState, s: int, scale: float | None, rule: rules.OverflowBurst
+    tracker: Any, state: RecentState, s: int, scale: float | None, rule: OverflowBurst
 ) -> None:
     """After calibration: min_skips skipped steps in a row within window_steps fire, at any
     scale; an open burst then counts every skip in the window (its extent). An applied step

@@ -15,10 +15,12 @@ True
 from __future__ import annotations
 
 import copy
+import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ampwatch.server.alerts.collapse import CollapseState
+from ampwatch.server.alerts.rule_settings import LossScaleCollapse
 from ampwatch.server.alerts.spikes import RecentState
 
 
@@ -45,7 +47,7 @@ class StepState:
 
     # -- the process -----------------------------------------------------------------------
     #: Warm-up calibration: a cascade that starts with the process, until a run of clean
-    #: steps (`rules.LossScaleCollapse`).
+    #: steps (`rule_settings.LossScaleCollapse`).
     calibrating: bool = True
     first_step: int | None = None
     clean_run: int = 0
@@ -117,6 +119,61 @@ class StepState:
         for f in fields(self):
             if f.name not in _RUN_FIELDS:
                 setattr(self, f.name, getattr(fresh, f.name))
+
+    def calibrate(
+        self, s: int, scale: float | None, skipped: bool, rule: LossScaleCollapse
+    ) -> None:
+        """Warm-up calibration at step `s`: a cascade that starts with the process (one of
+        its first calibration_start_steps skipped), until a run of clean steps (or a cap).
+        A process whose first steps are clean has a calibrated (restored) scaler. Its end
+        starts the skip count and the fall test afresh."""
+        assert self.first_step is not None  # set at the process's first step
+        self.clean_run = 0 if skipped else self.clean_run + 1
+        self.process_steps = self.process_steps + 1
+        self.cascade = self.cascade or skipped
+        if (self.calibrated_at_start
+                or self.clean_run >= rule.calibration_clean_steps
+                or s - self.first_step >= rule.calibration_max_steps
+                or (not self.cascade
+                    and self.process_steps >= rule.calibration_start_steps)):  # fmt: skip
+            self.calibrating = False
+            self.counted_from = s
+            self.changes = [[s, scale]] if scale is not None else []
+            self.skips = []
+            self.last_fall = None
+
+    def observe_scale(self, s: int, scale: float, *, fall_window: int, change_window: int) -> None:
+        """Move the loss scale to step `s`: its falls within `fall_window` steps (the
+        activation rule's), its change points within `change_window` (the collapse rule's
+        fall test; the first one: the scale in effect at the window's start)."""
+        self.scale_seen = True
+        previous = self.scale
+        if previous is not None and scale < previous:
+            self.last_fall = s
+            # Differences of logs: a quotient of two doubles can overflow to Inf.
+            octaves = math.log2(previous) - math.log2(scale) if scale > 0 else 128.0
+            self.falls.append([s, octaves])
+        falls = self.falls
+        while falls and falls[0][0] < s - fall_window:
+            falls.pop(0)
+        if previous is None or scale != previous or not self.changes:
+            self.changes.append([s, scale])
+        self.scale = scale
+        changes = self.changes
+        cut = 0
+        while cut + 1 < len(changes) and changes[cut + 1][0] <= s - change_window:
+            cut += 1
+        if cut:
+            del changes[:cut]
+
+    def observe_skip(self, s: int, skipped: bool) -> None:
+        """The current run of skipped steps, and where it began."""
+        if skipped:
+            if self.skip_run == 0:
+                self.skip_run_start = s
+            self.skip_run += 1
+        else:
+            self.skip_run = 0
 
     def follow_rank(self, rank: int) -> None:
         """Follow another rank's steps from here: its own sequence, its own process."""

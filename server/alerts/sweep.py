@@ -17,7 +17,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.alerts.config import file_rules, run_settings
 from ampwatch.server.alerts.evaluate import STEPS_KEY
 from ampwatch.server.alerts.lifecycle import Tracker
-from ampwatch.server.alerts.rules import NoData
+from ampwatch.server.alerts.rule_settings import NoData
 from ampwatch.server.db import begin_write
 from ampwatch.server.models import Alert, AlertConfig, AlertState, Run, utcnow
 
