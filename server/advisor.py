@@ -67,7 +67,7 @@ from ampwatch.server.alerts.config import settings_of_run
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES, LossScaleCollapse
 from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Run, Step, StepRollup
+from ampwatch.server.models import Alert, Run
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.advisor import (
     DataSkip,
@@ -76,6 +76,7 @@ from ampwatch.server.schemas.advisor import (
     RestartCheckpoint,
 )
 from ampwatch.server.schemas.runs import CheckpointPublic
+from ampwatch.server.step_models import Step, StepRollup
 
 #: Rules whose alerts announce or make up a divergence: chained into the incident that
 #: reached critical. Others (no_data, configuration findings, per-layer underflow

@@ -26,8 +26,10 @@ from sqlalchemy import Row, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent import wire
-from ampwatch.server.models import Event, Layer, LayerHistogram, LayerStat, Step
+from ampwatch.server.layer_models import Layer, LayerHistogram, LayerStat
+from ampwatch.server.models import Event
 from ampwatch.server.packed import unpack_matrix
+from ampwatch.server.step_models import Step
 
 VERDICTS = ("fits", "needs_finer_scaling", "keep_bf16")
 #: The recipe whose fit means "fits"; the others are the finer ones.

@@ -56,29 +56,18 @@ from ampwatch.server.alerts import evaluate_batch
 from ampwatch.server.alerts.evaluate import Judged
 from ampwatch.server.alerts.spikes import LateNorm
 from ampwatch.server.auth import ensure_project
+from ampwatch.server.column_types import sqlite_float
 from ampwatch.server.db import begin_write, dialect_insert, upsert
 from ampwatch.server.firing import firing_alerts
+from ampwatch.server.layer_models import Layer, LayerHistogram, LayerRollup, LayerStat, Module
 from ampwatch.server.layer_rollups import ROLLUP_COLUMNS, ROLLUP_KEY, refresh_layer_rollups
-from ampwatch.server.models import (
-    RUN_KEY,
-    Event,
-    GradNormPart,
-    IngestedBatch,
-    Layer,
-    LayerHistogram,
-    LayerRollup,
-    LayerStat,
-    Module,
-    Run,
-    Step,
-    sqlite_float,
-    utcnow,
-)
+from ampwatch.server.models import RUN_KEY, Event, IngestedBatch, Run, utcnow
 from ampwatch.server.packed import pack_row
 from ampwatch.server.rollback import retire_abandoned_steps
 from ampwatch.server.rollups import refresh_step_rollups
 from ampwatch.server.schemas.runs import IngestAck
 from ampwatch.server.schemas.wire import BatchIn, EventIn, LayerStatsIn, StepIn
+from ampwatch.server.step_models import GradNormPart, Step
 
 
 def ingest_batch(

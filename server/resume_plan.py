@@ -30,7 +30,7 @@ from sqlalchemy.orm import Session
 from ampwatch.server.advisor import AdvisorConfig, first_non_finite_loss, restart_candidates
 from ampwatch.server.firing import firing_alerts
 from ampwatch.server.fp8_readiness import loss_scale_advice
-from ampwatch.server.models import Alert, Event, Run, Step
+from ampwatch.server.models import Alert, Event, Run
 from ampwatch.server.schemas.advisor import DataSkip
 from ampwatch.server.schemas.resume_plan import (
     BatchRange,
@@ -39,6 +39,7 @@ from ampwatch.server.schemas.resume_plan import (
     PlanSkip,
     ResumePlan,
 )
+from ampwatch.server.step_models import Step
 
 #: The flat `skip_batches` list is given up to this many batches (ranges beyond).
 MAX_SKIP_BATCHES = 10_000

@@ -41,13 +41,14 @@ from ampwatch.agent.wire import (
     encode_float,
     encode_floats,
 )
+from ampwatch.server.layer_models import Layer, Module
 from ampwatch.server.layer_rollups import FINEST, Piece, plan_reads
-from ampwatch.server.models import Layer, Module, Step
 from ampwatch.server.packed import MISSING_BITS, to_wire_rows, unpack_matrix
 from ampwatch.server.rollups import STEP_LEVELS, level_source, rollup_aggregates, step_aggregates
 from ampwatch.server.schemas.runs import LayerMatrix, LayerSeries, StepSeries
 from ampwatch.server.schemas.wire import MAX_STEP
 from ampwatch.server.segments import reduce_at
+from ampwatch.server.step_models import Step
 
 
 @dataclass

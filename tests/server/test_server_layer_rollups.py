@@ -22,8 +22,9 @@ from sqlalchemy.orm import Session, sessionmaker
 from ampwatch.agent.wire import WIRE_VERSION, encode_float
 from ampwatch.server import cli, migrate, series
 from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.layer_models import LayerRollup, LayerStat
 from ampwatch.server.layer_rollups import LAYER_LEVELS, age_layer_stats
-from ampwatch.server.models import LayerRollup, LayerStat, Run
+from ampwatch.server.models import Run
 from ampwatch.server.packed import unpack_matrix
 from ampwatch.server.schemas.wire import BatchIn
 
