@@ -49,7 +49,7 @@ class Step(RunRow, Base):
 class GradNormPart(RunRow, Base):
     """One rank's part of a sharded step's global grad norm (wire `grad_sumsq`): the
     collector adds the parts of a step into `steps.grad_norm` of its lowest rank once all
-    `parts` arrived (`ampwatch.server.ingest`); kept, so that a re-sent part recombines
+    `parts` arrived (`ampwatch.server.grad_norm_parts`); kept, so that a re-sent part recombines
     the same norm whatever the order of arrival."""
 
     __tablename__ = "grad_norm_parts"
