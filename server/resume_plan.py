@@ -11,7 +11,7 @@ become a plan (`GET /api/v1/runs/{id}/resume-plan`, `ampwatch resume-plan RUN --
 - the settings to change, each with its reason: a lower lr (half the lr in effect at the
   checkpoint: OPT-175B's logbook lowered the lr on restarts after a divergence); the loss
   scaler's `init_scale` and `growth_interval` from the gradients' exponent histograms
-  (`ampwatch.server.fp8_readiness.loss_scale_advice`); bf16 when FP16 ran out of range (a
+  (`ampwatch.server.loss_scale_advice`); bf16 when FP16 ran out of range (a
   non-finite loss, a collapsed or floored scale, or gradients wider than FP16's range).
 
 `watch(resume_from=plan)` continues the run under the same id from the checkpoint's step
@@ -29,7 +29,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.server.advisor import AdvisorConfig, first_non_finite_loss, restart_candidates
 from ampwatch.server.firing import firing_alerts
-from ampwatch.server.fp8_readiness import loss_scale_advice
+from ampwatch.server.loss_scale_advice import loss_scale_advice
 from ampwatch.server.models import Alert, Event, Run
 from ampwatch.server.schemas.advisor import DataSkip
 from ampwatch.server.schemas.resume_plan import (
