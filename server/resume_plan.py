@@ -27,8 +27,9 @@ import math
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.advisor import AdvisorConfig, first_non_finite_loss, restart_candidates
+from ampwatch.server.advisor import first_non_finite_loss, restart_candidates
 from ampwatch.server.firing import firing_alerts
+from ampwatch.server.incident import AdvisorConfig
 from ampwatch.server.loss_scale_advice import loss_scale_advice
 from ampwatch.server.models import Alert, Event, Run
 from ampwatch.server.schemas.advisor import DataSkip
