@@ -10,14 +10,7 @@ and a layers x steps heatmap is one range scan. A layer absent from a record is 
 
 from __future__ import annotations
 
-from sqlalchemy import (
-    BigInteger,
-    Integer,
-    LargeBinary,
-    SmallInteger,
-    String,
-    UniqueConstraint,
-)
+from sqlalchemy import BigInteger, Integer, LargeBinary, SmallInteger, String, UniqueConstraint
 from sqlalchemy.orm import Mapped, declared_attr, mapped_column
 
 from ampwatch.agent.wire import MAX_NAME_LENGTH

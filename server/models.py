@@ -5,8 +5,8 @@ projects and tokens, runs and the batches and events they received, alerts, thei
 state and overrides, webhooks and notifications. The per-step tables are in
 `ampwatch.server.step_models`, the per-layer ones in `ampwatch.server.layer_models`,
 their column types in `ampwatch.server.column_types`. `Base.metadata` holds every table
-once those two modules are imported too (the collector imports them all; so does
-Alembic's `env.py`).
+once `step_models` and `layer_models` are imported too (the collector imports them; so
+does Alembic's `env.py`).
 """
 
 from __future__ import annotations
