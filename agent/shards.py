@@ -15,7 +15,7 @@ What a rank can and cannot know without a collective:
   plain tensor), so the agent takes it from there. Without a clip every rank sends its
   part, the sum of squares of its local shards (`local_sumsq`: a shard replicated over a
   mesh dimension counted once in all), and the collector adds the parts of a step from all
-  `world_size` ranks (`server/ingest.py`); FSDP1's NO_SHARD and hybrid shards count 1/k
+  `world_size` ranks (`server/grad_norm_parts.py`); FSDP1's NO_SHARD and hybrid shards count 1/k
   for their k replicas (`fsdp1_replicas`). Where the parts cannot add up exactly (a Partial
   DTensor gradient, a plain gradient beside FSDP2's, FSDP1 ignored modules or mixed
   strategies) no norm is stored and the agent says so once (`GRAD_NORM_SHARDED`).

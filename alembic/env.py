@@ -10,6 +10,8 @@ from __future__ import annotations
 from alembic import context
 from sqlalchemy import pool
 
+# Imported for their tables: each table module adds its own to `Base.metadata`.
+from ampwatch.server import layer_models, step_models  # noqa: F401
 from ampwatch.server.db import make_engine
 from ampwatch.server.models import Base
 from ampwatch.server.settings import Settings

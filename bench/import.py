@@ -38,7 +38,7 @@ from sqlalchemy import func, select
 
 from ampwatch.agent.logs import Target, import_logs, parse_file
 from ampwatch.server.db import make_engine
-from ampwatch.server.models import Step
+from ampwatch.server.step_models import Step
 
 OVERFLOW_EVERY = 997
 CHECKPOINT_EVERY = 10_000

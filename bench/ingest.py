@@ -42,8 +42,10 @@ from sqlalchemy import func, select
 
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import make_engine
+from ampwatch.server.layer_models import LayerStat
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.models import IngestedBatch, LayerStat, Step
+from ampwatch.server.models import IngestedBatch
+from ampwatch.server.step_models import Step
 
 AGENTS = 16
 LAYERS = 500

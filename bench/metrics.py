@@ -36,8 +36,9 @@ from sqlalchemy import insert
 
 from ampwatch.server.db import make_engine
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.models import Alert, IngestedBatch, Run, RunStepTotals, Step, StepRollup
+from ampwatch.server.models import Alert, IngestedBatch, Run
 from ampwatch.server.rollups import ROLLUP_WIDTH
+from ampwatch.server.step_models import RunStepTotals, Step, StepRollup
 
 BAR_MS = 50.0
 OLD_RUNS = 10_000

@@ -43,7 +43,9 @@ from sqlalchemy import select, text
 
 from ampwatch.agent.wire import LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import begin_write, make_engine, make_sessionmaker, upsert
-from ampwatch.server.ingest import LAYER_STAT_COLUMNS, LAYER_STAT_KEY, ingest_batch
+from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.layer_ingest import LAYER_STAT_COLUMNS, LAYER_STAT_KEY
+from ampwatch.server.layer_models import LayerRollup, LayerStat
 from ampwatch.server.layer_rollups import (
     LAYER_LEVELS,
     ROLLUP_COLUMNS,
@@ -51,7 +53,6 @@ from ampwatch.server.layer_rollups import (
     rollups_from_rows,
 )
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.models import LayerRollup, LayerStat
 from ampwatch.server.schemas.wire import BatchIn
 
 LAYER_EVERY = 10

@@ -46,8 +46,10 @@ from sqlalchemy import func, select
 from ampwatch.agent.retry import is_retryable
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS, WIRE_VERSION
 from ampwatch.server.db import make_engine
+from ampwatch.server.layer_models import LayerStat
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
+from ampwatch.server.models import Event, IngestedBatch, Run
+from ampwatch.server.step_models import Step
 
 STEPS_PER_BATCH = 50
 LAYERS = 100

@@ -63,12 +63,18 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
-from ampwatch.server.alerts.config import settings_of_run
-from ampwatch.server.alerts.rule_settings import LossScaleCollapse
 from ampwatch.server.alerts.rules import CONFIGURATION_RULES
-from ampwatch.server.baselines import HEALTHY_LOSS_SCALE, robust_baseline
+from ampwatch.server.baselines import robust_baseline
 from ampwatch.server.history import run_checkpoints
-from ampwatch.server.models import Alert, Run, Step, StepRollup
+from ampwatch.server.incident import (
+    AdvisorConfig,
+    AlertSpan,
+    Onset,
+    incident_onset,
+    margin_for,
+    run_alerts,
+    run_config,
+)
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.advisor import (
     DataSkip,
@@ -77,30 +83,8 @@ from ampwatch.server.schemas.advisor import (
     RestartCheckpoint,
 )
 from ampwatch.server.schemas.runs import CheckpointPublic
+from ampwatch.server.step_models import Step, StepRollup
 
-#: Rules whose alerts announce or make up a divergence: chained into the incident that
-#: reached critical. Others (no_data, configuration findings, per-layer underflow
-#: warnings that may stand for the whole run) would drag the onset back to step 0.
-PRECURSOR_RULES = frozenset(
-    {
-        "activation_norm_spike",
-        "skip_rate",
-        "loss_scale_collapse",
-        "scale_floor_stall",
-        "nan_loss",
-        "loss_spike",
-        "grad_norm_spike",
-        "overflow_burst",
-        "loss_collapse",
-    }
-)
-#: Never part of an incident: the agent going quiet says nothing about the weights, and a
-#: configuration finding is no incident (module docstring, 2.).
-#: (The early warnings, `alerts.precursors`, warn of an event to come: the incident's onset
-#: is the event's, and their own lead is recorded on them.)
-NOT_PRECURSORS = frozenset({"no_data", "update_rms_rise", "scale_decline", "flush_trend"}) | (
-    CONFIGURATION_RULES
-)
 #: The caveat each configuration finding adds to every candidate.
 CONFIGURATION_CAVEATS = {
     "fp16_without_scaler": "the run trains FP16 without a loss scaler: fix that before restarting",
@@ -111,51 +95,6 @@ CONFIGURATION_CAVEATS = {
 MIN_BASELINE_VALUES = 8
 
 
-@dataclass(frozen=True)
-class AdvisorConfig:
-    """The advisor's thresholds (module docstring); every one can be overridden."""
-
-    #: The lowest healthy loss scale (not the scaler's floor, which `watch()` and
-    #: `run_start` call `min_loss_scale`).
-    healthy_loss_scale: float = HEALTHY_LOSS_SCALE
-    fall_window: int = 20
-    baseline_buckets: int = 16
-    baseline_k: float = 4.0
-    #: The baseline's spread is at least this share of its median: a norm that barely
-    #: moves must not reject a checkpoint for a 1% wobble.
-    baseline_rel_floor: float = 0.05
-    margin_fraction: float = 0.02
-    margin_min_steps: int = 20
-    incident_gap: int = 50
-    #: Steps after the onset whose data is worth skipping on restart; None: the margin.
-    skip_after_onset: int | None = None
-    rank: int = 0
-    precursor_rules: frozenset[str] = field(default=PRECURSOR_RULES)
-
-
-@dataclass(frozen=True)
-class _AlertSpan:
-    rule: str
-    layer: str
-    severity: str
-    started_step: int
-    fired_step: int | None
-    resolved_step: int | None
-
-    def firing_at(self, step: int) -> bool:
-        return (
-            self.fired_step is not None
-            and self.fired_step <= step
-            and (self.resolved_step is None or step < self.resolved_step)
-        )
-
-
-@dataclass(frozen=True)
-class Onset:
-    step: int
-    rule: str
-
-
 def _fmt(value: float, digits: int = 6) -> str:
     """A value for a reason: 6 significant digits (loss scales are exact powers of two
     up to 2^19), or the wire's "NaN" / "Infinity"."""
@@ -164,42 +103,6 @@ def _fmt(value: float, digits: int = 6) -> str:
 
 def _fmt3(value: float) -> str:
     return _fmt(value, 3)
-
-
-def incident_onset(alerts: list[_AlertSpan], *, config: AdvisorConfig) -> Onset | None:
-    """Where the run's first incident that reached critical began, or None if none did.
-
-    >>> incident_onset([_AlertSpan("skip_rate", "", "warning", 90, 95, None),
-    ...                 _AlertSpan("loss_scale_collapse", "", "critical", 110, 112, None)],
-    ...                config=AdvisorConfig())
-    Onset(step=90, rule='skip_rate')
-    """
-    criticals = [
-        a
-        for a in alerts
-        if a.severity == "critical" and a.fired_step is not None and a.rule not in NOT_PRECURSORS
-    ]
-    if not criticals:
-        return None
-    first = min(criticals, key=lambda a: (a.fired_step, a.started_step))
-    members = [
-        a
-        for a in alerts
-        if a.rule not in NOT_PRECURSORS
-        and (a.severity == "critical" or a.rule in config.precursor_rules)
-    ]
-    onset = Onset(first.started_step, first.rule)
-    moved = True
-    while moved:  # chain back: each member open (or just closed) when the next began
-        moved = False
-        for alert in members:
-            open_then = alert.resolved_step is None or (
-                alert.resolved_step >= onset.step - config.incident_gap
-            )
-            if alert.started_step < onset.step and open_then:
-                onset = Onset(alert.started_step, alert.rule)
-                moved = True
-    return onset
 
 
 def first_non_finite_loss(session: Session, run_id: int, rank: int) -> int | None:
@@ -226,11 +129,6 @@ def first_non_finite_loss(session: Session, run_id: int, rank: int) -> int | Non
         if loss is not None and not math.isfinite(loss):
             return int(step)
     return None
-
-
-def margin_for(last_step: int | None, *, config: AdvisorConfig) -> int:
-    """Steps a healthy checkpoint must precede the onset by: a share of the run, floored."""
-    return max(config.margin_min_steps, math.ceil(config.margin_fraction * (last_step or 0)))
 
 
 def _baseline(session: Session, run_id: int, step: int, config: AdvisorConfig) -> list[float]:
@@ -271,7 +169,7 @@ def _judge(
     session: Session,
     run_id: int,
     checkpoint: CheckpointPublic,
-    alerts: list[_AlertSpan],
+    alerts: list[AlertSpan],
     onset: Onset | None,
     margin: int,
     config: AdvisorConfig,
@@ -388,41 +286,6 @@ def _judge_act_norm(
         verdict.notes.append(f"act norm {_fmt3(norm)} within baseline {_fmt3(center)}±{band:.2g}")
 
 
-def run_alerts(session: Session, run_id: int) -> list[_AlertSpan]:
-    """The alerts of the run's live branch: after a resume from a plan, only those started
-    since (`Run.resumed_at`); the abandoned branch's incident is over, and chaining back
-    into it would put a new incident's onset before the checkpoint the run resumed from."""
-    run = session.get(Run, run_id)
-    since = () if run is None or run.resumed_at is None else (Alert.started_at >= run.resumed_at,)
-    rows = session.execute(
-        select(
-            Alert.rule,
-            Alert.layer,
-            Alert.severity,
-            Alert.started_step,
-            Alert.fired_step,
-            Alert.resolved_step,
-        ).where(Alert.run_id == run_id, *since)
-    ).all()
-    return [_AlertSpan(*row) for row in rows]
-
-
-def run_config(session: Session, run_id: int, **overrides: Any) -> AdvisorConfig:
-    """The advisor's thresholds for run `run_id`: `healthy_loss_scale` is the run's effective
-    `loss_scale_collapse.min_scale` (run > project > file > default), so the advisor and
-    the collapse alert agree on what a healthy scale is; `overrides` win over both.
-
-    >>> run_config(session, 7, healthy_loss_scale=0.5).healthy_loss_scale  # doctest: +SKIP
-    0.5
-    """
-    settings = None if "healthy_loss_scale" in overrides else settings_of_run(session, run_id)
-    if settings is not None:
-        collapse = settings["loss_scale_collapse"]
-        assert isinstance(collapse, LossScaleCollapse)
-        overrides["healthy_loss_scale"] = collapse.min_scale
-    return AdvisorConfig(**overrides)
-
-
 def restart_candidates(
     session: Session,
     run_id: int,
@@ -454,31 +317,10 @@ def restart_candidates(
     healthy = [(c, j) for c, j in judged if not j.failures]
     best = max(healthy, key=lambda cj: (cj[0].step or 0, cj[0].time), default=None)
 
-    candidates: list[RestartCandidate] = []
-    for checkpoint, judgement in judged:
-        summary = ", ".join(judgement.notes)
-        if judgement.failures:
-            verdict, reasons = "rejected", judgement.failures
-        elif best is not None and checkpoint is best[0]:
-            verdict, reasons = "recommended", [f"latest healthy checkpoint: {summary}"]
-        else:
-            assert best is not None
-            verdict = "healthy"
-            reasons = [
-                f"healthy: {summary}",
-                f"a later healthy checkpoint (step {best[0].step}) is recommended",
-            ]
-        candidates.append(
-            RestartCandidate(
-                step=checkpoint.step,
-                path=checkpoint.path,
-                time=checkpoint.time,
-                verdict=verdict,
-                reasons=[*reasons, *caveats],
-                loss_scale=encode_float(judgement.loss_scale),
-                act_norm=encode_float(judgement.act_norm),
-            )
-        )
+    candidates = [
+        _candidate(checkpoint, judgement, None if best is None else best[0], caveats)
+        for checkpoint, judgement in judged
+    ]
     order = {"recommended": 0, "healthy": 1, "rejected": 2}
     candidates.sort(
         key=lambda c: (order[c.verdict], -(c.step if c.step is not None else -1), -c.time)
@@ -491,15 +333,7 @@ def restart_candidates(
     skip = None
     if best is not None and best[0].step is not None and onset is not None:
         after = config.skip_after_onset if config.skip_after_onset is not None else margin_steps
-        skip = DataSkip(
-            start=best[0].step + 1,
-            end=onset.step + after,
-            reason=(
-                f"the batches from the checkpoint (step {best[0].step}) to {after} steps after "
-                f"the incident onset at step {onset.step} ({onset.rule}): the data at and "
-                "just before a spike is its likeliest trigger (PaLM skipped 200-500 batches)"
-            ),
-        )
+        skip = _data_skip(best[0].step, onset, after)
     return RestartCandidates(
         run_id=run_id,
         onset_step=onset.step if onset is not None else None,
@@ -508,4 +342,47 @@ def restart_candidates(
         recommended=recommended,
         candidates=candidates,
         skip_steps=skip,
+    )
+
+
+def _candidate(
+    checkpoint: CheckpointPublic,
+    judgement: _Judgement,
+    best: CheckpointPublic | None,
+    caveats: list[str],
+) -> RestartCandidate:
+    """A judged checkpoint with its verdict and reasons; `best` the recommended one."""
+    summary = ", ".join(judgement.notes)
+    if judgement.failures:
+        verdict, reasons = "rejected", judgement.failures
+    elif best is not None and checkpoint is best:
+        verdict, reasons = "recommended", [f"latest healthy checkpoint: {summary}"]
+    else:
+        assert best is not None
+        verdict = "healthy"
+        reasons = [
+            f"healthy: {summary}",
+            f"a later healthy checkpoint (step {best.step}) is recommended",
+        ]
+    return RestartCandidate(
+        step=checkpoint.step,
+        path=checkpoint.path,
+        time=checkpoint.time,
+        verdict=verdict,
+        reasons=[*reasons, *caveats],
+        loss_scale=encode_float(judgement.loss_scale),
+        act_norm=encode_float(judgement.act_norm),
+    )
+
+
+def _data_skip(checkpoint_step: int, onset: Onset, after: int) -> DataSkip:
+    """The batches to skip on a restart from the checkpoint at `checkpoint_step`."""
+    return DataSkip(
+        start=checkpoint_step + 1,
+        end=onset.step + after,
+        reason=(
+            f"the batches from the checkpoint (step {checkpoint_step}) to {after} steps after "
+            f"the incident onset at step {onset.step} ({onset.rule}): the data at and "
+            "just before a spike is its likeliest trigger (PaLM skipped 200-500 batches)"
+        ),
     )

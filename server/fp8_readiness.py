@@ -1,5 +1,7 @@
-"""FP8 readiness per run (layers x recipes, a verdict per layer, its trend) and loss-scale
-advice for FP16 runs, both read from what the agent already stored.
+"""FP8 readiness per run (layers x recipes, a verdict per layer, its trend), read from what
+the agent already stored; with the reads it shares with the loss-scale advice for FP16 runs
+(`ampwatch.server.loss_scale_advice`): the latest `run_start`, sampled steps thinned to a
+bound, layer vectors of statistics at steps.
 
 The agent's `fp8_*` layer statistics (`ampwatch.agent.fp8`) say, per Linear layer and role
 (weight, gradient, input activation), which share would flush, saturate, and the relative
@@ -12,21 +14,22 @@ so "worst first" is an order across metrics. Verdict: `fits` (per-tensor scaling
 
 Reads are bounded whatever the run's length: the latest sample's rows (one per statistic)
 and, for the trend, the recipes' statistics at <= `max_steps` sampled steps spread over the
-run; the loss-scale advice reads <= `max_steps` sampled steps' exponent histograms.
+run.
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable
 
 import numpy as np
 from pydantic import BaseModel, Field
-from sqlalchemy import Row, select
+from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent import wire
-from ampwatch.server.models import Event, Layer, LayerHistogram, LayerStat, Step
+from ampwatch.server.layer_models import Layer, LayerStat
+from ampwatch.server.models import Event
 from ampwatch.server.packed import unpack_matrix
 
 VERDICTS = ("fits", "needs_finer_scaling", "keep_bf16")
@@ -137,7 +140,7 @@ def declared_recipe(session: Session, run_id: int) -> str | None:
     return recipe_of(latest_run_start(session, run_id))
 
 
-def _thin(steps: list[int], limit: int) -> list[int]:
+def thin_steps(steps: list[int], limit: int) -> list[int]:
     """<= limit steps evenly over `steps`, the last always kept."""
     if len(steps) <= limit:
         return steps
@@ -146,7 +149,7 @@ def _thin(steps: list[int], limit: int) -> list[int]:
     return thinned if thinned[-1] == steps[-1] else [*thinned[: limit - 1], steps[-1]]
 
 
-def _read(
+def layer_vectors(
     session: Session, run_id: int, rank: int, stats: list[str], steps: list[int], width: int
 ) -> dict[tuple[str, int], np.ndarray]:
     """(stat, step) -> the layer vector (NaN where the layer was not in that record)."""
@@ -191,7 +194,8 @@ def recipe_scores(
     return total, by_role
 
 
-def _pct(value: float) -> str:
+def percent(value: float) -> str:
+    """A share as a reason quotes it: to 0.1%, or to 0.001% below 0.1%."""
     return f"{value:.1%}" if value >= 0.001 or value == 0 else f"{value:.3%}"
 
 
@@ -203,8 +207,8 @@ def _reason(layer: Fp8Layer, limits: Fp8Limits) -> str:
         return "not measured"
     role, worst = max(base.roles.items(), key=lambda item: item[1].score)
     said = (
-        f"per-tensor {worst.format.upper()}: {role} flush {_pct(worst.flush)}, "
-        f"saturate {_pct(worst.saturate)}, error {worst.error:.3f}"
+        f"per-tensor {worst.format.upper()}: {role} flush {percent(worst.flush)}, "
+        f"saturate {percent(worst.saturate)}, error {worst.error:.3f}"
     )
     if layer.verdict == "fits":
         return f"fits every limit; {said}"
@@ -213,13 +217,13 @@ def _reason(layer: Fp8Layer, limits: Fp8Limits) -> str:
     other = fit.roles.get(role)
     then = (
         (
-            f"; {name} ({other.scaling} {other.format.upper()}): flush {_pct(other.flush)}, "
-            f"saturate {_pct(other.saturate)}, error {other.error:.3f}"
+            f"; {name} ({other.scaling} {other.format.upper()}): flush {percent(other.flush)}, "
+            f"saturate {percent(other.saturate)}, error {other.error:.3f}"
         )
         if other
         else ""
     )
-    limit = f" (limits: flush {_pct(limits.max_flush)}, saturate {_pct(limits.max_saturate)})"
+    limit = f" (limits: flush {percent(limits.max_flush)}, saturate {percent(limits.max_saturate)})"
     return said + then + limit
 
 
@@ -251,10 +255,10 @@ def fp8_readiness(
     if not all_steps:
         return answer
     last = all_steps[-1]
-    steps = _thin(all_steps, max_steps)
+    steps = thin_steps(all_steps, max_steps)
     trend_stats = sorted({s for r in wire.FP8_RECIPES for *_, s in _recipe_stats(r)})
-    data = _read(session, run_id, rank, trend_stats, steps, len(names))
-    latest = _read(session, run_id, rank, list(wire.FP8_STATS), [last], len(names))
+    data = layer_vectors(session, run_id, rank, trend_stats, steps, len(names))
+    latest = layer_vectors(session, run_id, rank, list(wire.FP8_STATS), [last], len(names))
     scores = {
         recipe: [recipe_scores(data, step, recipe, limits, len(names))[0] for step in steps]
         for recipe in wire.FP8_RECIPES
@@ -308,6 +312,27 @@ def _layer(
         if roles:
             recipes[recipe] = RecipeFit(fits=bool(total[i] <= 1), score=float(total[i]),
                                         roles=roles)  # fmt: skip
+    measures, spread = _measures(value)
+    fits_with = [r for r, fit in recipes.items() if fit.fits]
+    if PER_TENSOR in fits_with:
+        verdict = "fits"
+    elif fits_with:
+        verdict = "needs_finer_scaling"
+    else:
+        verdict = "keep_bf16"
+    trend, stopped = _trend(i, scores, steps)
+    layer = Fp8Layer(layer=name, verdict=verdict, fits_with=fits_with, reason="",
+                     recipes=recipes, measures=measures, spread=spread, trend=trend,
+                     stopped_fitting=stopped)  # fmt: skip
+    layer.reason = _reason(layer, limits)
+    return layer
+
+
+def _measures(
+    value: Callable[[str], float | None],
+) -> tuple[dict[str, dict[str, dict[str, float]]], dict[str, dict[str, float]]]:
+    """A layer's measured figures per role and `{fmt}_{scaling}`, and its spreads, read
+    through `value` (a statistic's value for the layer, None where not measured)."""
     measures: dict[str, dict[str, dict[str, float]]] = {}
     spread: dict[str, dict[str, float]] = {}
     for role in wire.FP8_ROLES:
@@ -319,13 +344,14 @@ def _layer(
         for scaling in wire.FP8_SPREAD_SCALINGS:
             if (v := value(wire.fp8_spread_stat(role, scaling))) is not None:
                 spread.setdefault(role, {})[scaling] = v
-    fits_with = [r for r, fit in recipes.items() if fit.fits]
-    if PER_TENSOR in fits_with:
-        verdict = "fits"
-    elif fits_with:
-        verdict = "needs_finer_scaling"
-    else:
-        verdict = "keep_bf16"
+    return measures, spread
+
+
+def _trend(
+    i: int, scores: dict[str, list[np.ndarray]], steps: list[int]
+) -> tuple[dict[str, list[float | None]], dict[str, int | None]]:
+    """Layer `i`'s score per recipe at each of `steps`, and the step each recipe stopped
+    fitting at (after fitting at the layer's first measured sample), else None."""
     trend: dict[str, list[float | None]] = {}
     stopped: dict[str, int | None] = {}
     for recipe, series in scores.items():
@@ -336,192 +362,4 @@ def _layer(
         stopped[recipe] = None
         if measured and measured[0][1] <= 1:
             stopped[recipe] = next((step for step, p in measured if p > 1), None)
-    layer = Fp8Layer(layer=name, verdict=verdict, fits_with=fits_with, reason="",
-                     recipes=recipes, measures=measures, spread=spread, trend=trend,
-                     stopped_fitting=stopped)  # fmt: skip
-    layer.reason = _reason(layer, limits)
-    return layer
-
-
-# --- loss-scale advice for FP16, from the exponent histograms ---------------------------
-
-#: Histogram field f holds |g| in [2^(f-127), 2^(f-126)); at S = 2^k a bin flushes in FP16
-#: exactly when f <= 102 - k (|g S| < 2^-24 is a bin boundary) and may overflow when
-#: f >= 142 - k (its top reaches 2^16 > 65504; 65504 is inside bin 142 - k, so the bins
-#: alone bound it from above, and a range read from them alone stopped one power of two
-#: short whenever max |g| S <= 65504 < 2^16: gradients up to 12 gave [7, 11] for [7, 12]).
-#: The top end is exact from the stored `max_abs_scaled` (max |g S| at the step's S, a
-#: power of two for a GradScaler: max |g| exactly) (`_max_abs`, `_top_exponent`); the bins
-#: bound it where that max is unknown. Field 0 (zeros, float32 subnormals) and 255
-#: (Inf/NaN) are left out.
-_FLUSH_TOP = wire.EXPONENT_BIAS - 25
-_OVERFLOW_FROM = wire.EXPONENT_BIAS + 15
-
-
-class ScaleRow(BaseModel):
-    exponent: int
-    scale: float
-    flush: float
-    overflow: float
-
-
-class LossScaleAdvice(BaseModel):
-    run_id: int
-    rank: int
-    applies: bool
-    why: str
-    steps_read: int
-    steps_sampled: int
-    #: exponents k with 0 flush and 0 possible overflow in every histogram read (null: none).
-    safe_range: tuple[int, int] | None
-    init_scale: float | None
-    growth_interval: int | None
-    reason: str
-    table: list[ScaleRow]
-
-
-def _fp16_run(start: dict[str, object]) -> tuple[bool, str]:
-    precision = str(start.get("precision") or "")
-    if start.get("scaler") or "fp16" in precision:
-        return True, f"the run uses FP16 ({precision or 'a GradScaler'})"
-    if not start:
-        return False, "the run has not reported its precision (no run_start)"
-    return False, f"the run is not FP16 ({precision}): BF16 and FP32 need no loss scale"
-
-
-def loss_scale_advice(
-    session: Session, run_id: int, *, rank: int = 0, max_steps: int = 64
-) -> LossScaleAdvice:
-    """Which loss scales S = 2^k would have flushed nothing and overflowed nothing in the
-    gradients so far (their exponent histograms, <= max_steps sampled steps spread over the
-    run), and an `init_scale` / `growth_interval` suggestion with its reason."""
-    applies, why = _fp16_run(latest_run_start(session, run_id))
-    sampled = list(session.scalars(
-        select(LayerHistogram.step).where(LayerHistogram.run_id == run_id,
-                                          LayerHistogram.rank == rank)
-        .distinct().order_by(LayerHistogram.step)
-    ))  # fmt: skip
-    steps = _thin(sampled, max_steps)
-    totals = np.zeros(wire.EXPONENT_HISTOGRAM_BINS, dtype=np.int64)
-    low_field, high_field = wire.EXPONENT_HISTOGRAM_BINS, -1
-    rows: Sequence[Row[int, int, int, bytes]] = []
-    if steps:
-        rows = session.execute(
-            select(LayerHistogram.step, LayerHistogram.layer_idx, LayerHistogram.first_bin,
-                   LayerHistogram.counts).where(
-                LayerHistogram.run_id == run_id, LayerHistogram.rank == rank,
-                LayerHistogram.step.in_(steps),
-            )
-        ).all()  # fmt: skip
-        for _, _, first, blob in rows:
-            counts = np.frombuffer(blob, dtype="<i8")
-            totals[first : first + counts.size] += counts
-    finite = totals.copy()
-    finite[0] = finite[255] = 0
-    present = np.flatnonzero(finite)
-    advice = LossScaleAdvice(
-        run_id=run_id, rank=rank, applies=applies, why=why, steps_read=len(steps),
-        steps_sampled=len(sampled), safe_range=None, init_scale=None, growth_interval=None,
-        reason="no exponent histograms yet", table=[],
-    )  # fmt: skip
-    if present.size == 0:
-        return advice
-    low_field, high_field = int(present[0]), int(present[-1])
-    peak = _max_abs(session, run_id, rank, steps, rows, high_field)
-    k_low = _FLUSH_TOP + 1 - low_field
-    k_high = _OVERFLOW_FROM - 1 - high_field if peak is None else _top_exponent(peak)
-    total = int(finite.sum())
-    cumulative = np.cumsum(finite)
-
-    def row(k: int) -> ScaleRow:
-        flush_top = min(254, _FLUSH_TOP - k)
-        flush = int(cumulative[flush_top]) if flush_top >= 1 else 0
-        overflow_from = max(1, _OVERFLOW_FROM - k)
-        overflow = int(total - cumulative[overflow_from - 1]) if overflow_from <= 254 else 0
-        if k <= k_high:  # max |g| S <= 65504 (exact when the max is known)
-            overflow = 0
-        return ScaleRow(exponent=k, scale=2.0**k, flush=flush / total, overflow=overflow / total)
-
-    span = range(min(k_low, k_high) - 2, max(k_low, k_high) + 3)
-    advice.table = [row(k) for k in span if -126 <= k <= 127]
-    if k_low <= k_high:
-        advice.safe_range = (k_low, k_high)
-        best = row(k_high)
-        octaves = k_high - k_low
-        # GradScaler grows from init_scale by 2x every growth_interval clean steps and halves
-        # on overflow: start at the top of the safe range; where the range is narrow, every
-        # growth past it costs a skipped step, so grow seldom.
-        growth = 2000 if octaves >= 4 else 10000
-        advice.init_scale, advice.growth_interval = 2.0**k_high, growth
-        advice.reason = (
-            f"with S = 2^{k_high}: {_pct(best.flush)} flush, {_pct(best.overflow)} overflow "
-            f"(at most); every S from 2^{k_low} to 2^{k_high} ({octaves + 1} powers of two) "
-            "flushed and overflowed nothing in the histograms read; "
-            + (
-                "the range is wide, so torch's default growth_interval 2000 costs little"
-                if octaves >= 4
-                else f"the range is narrow: each growth beyond 2^{k_high} overflows and skips a "
-                "step, so grow every 10000 steps"
-            )
-        )
-    else:
-        # No scale is clean: the gradients span more than FP16's range. Pick the scale that
-        # overflows nothing and flushes least (overflow skips steps; flush loses updates).
-        clean = [r for r in advice.table if r.overflow == 0] or advice.table
-        best = min(clean, key=lambda r: (r.overflow, r.flush))
-        advice.init_scale, advice.growth_interval = best.scale, 10000
-        advice.reason = (
-            f"no scale is clean: the gradients span {high_field - low_field + 1} binary orders "
-            f"of magnitude, more than FP16's 40; with S = 2^{best.exponent}: "
-            f"{_pct(best.flush)} flush, {_pct(best.overflow)} overflow (at most); "
-            "consider BF16"
-        )
-    return advice
-
-
-def _top_exponent(peak: float) -> int:
-    """The largest k with peak x 2^k <= 65504 (FP16's max), exactly: peak = m 2^e with m in
-    [0.5, 1), and 65504 = (65504 / 65536) 2^16.
-
-    >>> _top_exponent(12.0), _top_exponent(65504 / 4096), _top_exponent(16.0)
-    (12, 12, 11)
-    """
-    mantissa, exponent = math.frexp(peak)
-    return (16 if mantissa <= wire.FP16_MAX / 2.0**16 else 15) - exponent
-
-
-def _max_abs(
-    session: Session,
-    run_id: int,
-    rank: int,
-    steps: list[int],
-    histograms: Sequence[Row[int, int, int, bytes]],
-    high_field: int,
-) -> float | None:
-    """max |g| over the histograms read, from the stored max |g S| and the step's loss
-    scale S (none: 1), or None where a histogram reaching `high_field` has no finite max
-    (a layer with an Inf/NaN gradient, or no `max_abs_scaled` stored): the bins bound it."""
-    width = max((layer for _, layer, _, _ in histograms), default=-1) + 1
-    maxima = _read(session, run_id, rank, ["max_abs_scaled"], steps, width)
-    scales = dict(
-        session.execute(
-            select(Step.step, Step.loss_scale).where(Step.run_id == run_id, Step.step.in_(steps))
-        ).all()
-    )
-    peak = 0.0
-    for step, layer, first, blob in histograms:
-        fields = first + np.flatnonzero(np.frombuffer(blob, dtype="<i8"))
-        fields = fields[(fields > 0) & (fields < 255)]
-        top = int(fields[-1]) if fields.size else -1
-        vector = maxima.get(("max_abs_scaled", step))
-        value = math.nan if vector is None else float(vector[layer])
-        scale = scales.get(step)
-        value /= 1.0 if scale is None or not math.isfinite(scale) or scale <= 0 else scale
-        if not math.isfinite(value) or value <= 0:
-            if top >= high_field:
-                return None
-            continue
-        peak = max(peak, value)
-    if peak <= 0 or math.frexp(peak)[1] + wire.EXPONENT_BIAS - 1 != high_field:
-        return None  # the stored maxima disagree with the histograms: trust the bins
-    return peak
+    return trend, stopped

@@ -40,7 +40,7 @@ from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import LAYER_STATS, WireFloat, encode_float
 from ampwatch.server.fp8_readiness import latest_run_start
-from ampwatch.server.models import Layer, LayerHistogram, LayerStat
+from ampwatch.server.layer_models import Layer, LayerHistogram, LayerStat
 from ampwatch.server.packed import unpack_matrix
 from ampwatch.server.schemas.runs import FullLayer, FullLayers
 

@@ -7,8 +7,10 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
-from ampwatch.server.models import Event, LayerHistogram, Step
+from ampwatch.server.layer_models import LayerHistogram
+from ampwatch.server.models import Event
 from ampwatch.server.schemas.runs import CheckpointPublic, CheckpointsPublic, LayerHistograms
+from ampwatch.server.step_models import Step
 
 
 def layer_histograms(

@@ -38,7 +38,8 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server import run_version
 from ampwatch.server.db import begin_write
-from ampwatch.server.models import LayerRollup, LayerStat, Run
+from ampwatch.server.layer_models import LayerRollup, LayerStat
+from ampwatch.server.models import Run
 from ampwatch.server.packed import MISSING_BITS, unpack_matrix
 
 #: Bucket widths in steps, finest first; each divides the next.

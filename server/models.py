@@ -1,15 +1,16 @@
 """Storage schema (SQLAlchemy 2 typed models); `alembic/versions/` must match it exactly.
 
-Per-layer statistics dominate volume (layers x steps), so `layer_stats` keeps one row per
-(run, rank, statistic, step) holding a packed little-endian float64 array ordered by the
-run's layer index (`layers.idx`): one insert per sampled step instead of one per value,
-and a layers x steps heatmap is one range scan. A layer absent from a record is stored as
-`MISSING`, a NaN with its own payload, so a genuinely NaN statistic stays distinguishable.
+This module holds the declarative `Base`, the statuses, and the tables of a row per thing:
+projects and tokens, runs and the batches and events they received, alerts, their rule
+state and overrides, webhooks and notifications. The per-step tables are in
+`ampwatch.server.step_models`, the per-layer ones in `ampwatch.server.layer_models`,
+their column types in `ampwatch.server.column_types`. `Base.metadata` holds every table
+once `step_models` and `layer_models` are imported too (the collector imports them; so
+does Alembic's `env.py`).
 """
 
 from __future__ import annotations
 
-import math
 from datetime import datetime, timezone
 from typing import Any, Literal, get_args
 
@@ -18,24 +19,18 @@ from sqlalchemy import (
     BigInteger,
     Boolean,
     CheckConstraint,
-    DateTime,
-    Dialect,
-    Double,
     ForeignKey,
     Index,
     Integer,
-    LargeBinary,
     MetaData,
-    SmallInteger,
     String,
-    Text,
     UniqueConstraint,
     text,
 )
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
-from sqlalchemy.types import TypeDecorator
 
-from ampwatch.agent.wire import MAX_NAME_LENGTH, NAN, NON_FINITE, WireFloat
+from ampwatch.agent.wire import MAX_NAME_LENGTH
+from ampwatch.server.column_types import SafeString, SafeText, UTCDateTime
 
 #: Constraint names are deterministic, so migrations can drop and alter them by name.
 NAMING_CONVENTION = {
@@ -64,98 +59,13 @@ class Base(DeclarativeBase):
     metadata = MetaData(naming_convention=NAMING_CONVENTION)
 
 
-class _RawDouble(Double[float]):
-    """Double without SQLAlchemy's float() bind coercion, which would turn 'NaN' back into
-    a NaN that SQLite then stores as NULL."""
+class RunRow:
+    """A table of a run's rows: keyed by the run first (`sort_order`: before the key
+    columns of the table's own class), deleted with it."""
 
-    def bind_processor(self, dialect: Dialect) -> None:
-        return None
-
-
-class NonFiniteFloat(TypeDecorator[float]):
-    """A double column in which NaN, +Inf and -Inf survive, distinct from NULL.
-
-    PostgreSQL's float8 stores all three natively. SQLite keeps +-Inf as REAL but binds a
-    NaN as NULL, which would turn "the loss was NaN" into "not measured" -- the very signal
-    ampwatch exists for. On SQLite a NaN is therefore written as the text 'NaN' (a REAL
-    column keeps text it cannot convert) and read back as float NaN. In SQL on SQLite such
-    a value compares greater than every number; compare in Python, not in WHERE clauses.
-    """
-
-    impl = _RawDouble
-    cache_ok = True
-
-    def process_bind_param(self, value: float | None, dialect: Dialect) -> Any:
-        return sqlite_float(value) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: Any, dialect: Dialect) -> float | None:
-        if isinstance(value, str):
-            return float(NON_FINITE[value])
-        return None if value is None else float(value)
-
-
-def sqlite_float(value: WireFloat | None) -> float | str | None:
-    """A float, or a wire float, as a `NonFiniteFloat` column holds it on SQLite: a NaN as
-    the text 'NaN', +-Inf as REAL. Ingest binds step rows with it directly (~70 ns a value;
-    decode_float, then a NaN check, cost ~4x that per value of the hottest insert).
-
-    >>> sqlite_float(float("nan")), sqlite_float("NaN"), sqlite_float("-Infinity")
-    ('NaN', 'NaN', -inf)
-    """
-    if type(value) is str:
-        return NAN if value == NAN else NON_FINITE[value]
-    if isinstance(value, float) and math.isnan(value):
-        return NAN
-    return value
-
-
-class SafeString(TypeDecorator[str]):
-    """Text from outside (names, a run's end reason, alert messages quoting a finding, a
-    delivery error) stored alike on both backends: a NUL character, which PostgreSQL's
-    text refuses (a NUL in a run_end reason answered 500 there, and the agent retried the
-    batch forever) while SQLite kept it, is stored as U+FFFD on both. Identifiers never
-    get here with one (the wire's `Name` refuses it with a 422); free text is kept, marked.
-
-    >>> SafeString().process_bind_param("disk\\x00full", None)
-    'disk\\ufffdfull'
-    """
-
-    impl = String
-    cache_ok = True
-
-    def process_bind_param(self, value: str | None, dialect: Dialect | None) -> str | None:
-        return value.replace("\x00", "\ufffd") if value and "\x00" in value else value
-
-
-class SafeText(SafeString):
-    """`SafeString` without a length."""
-
-    impl = Text
-    cache_ok = True
-
-
-class UTCDateTime(TypeDecorator[datetime]):
-    """A timestamp that is always timezone-aware UTC in Python, on every backend.
-
-    SQLite has no time zones and hands back naive values; normalising at the column
-    boundary keeps comparisons between stored and fresh timestamps from raising.
-    """
-
-    impl = DateTime(timezone=True)
-    cache_ok = True
-
-    def process_bind_param(self, value: datetime | None, dialect: Dialect) -> Any:
-        if value is None:
-            return None
-        if value.tzinfo is None:
-            raise ValueError(f"naive datetime {value!r}: ampwatch stores aware UTC times")
-        value = value.astimezone(timezone.utc)
-        return value.replace(tzinfo=None) if dialect.name == "sqlite" else value
-
-    def process_result_value(self, value: datetime | None, dialect: Dialect) -> Any:
-        if value is not None and value.tzinfo is None:
-            return value.replace(tzinfo=timezone.utc)
-        return value
+    run_id: Mapped[int] = mapped_column(
+        ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True, sort_order=-1
+    )
 
 
 def utcnow() -> datetime:
@@ -251,7 +161,7 @@ class Run(Base):
     version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
-class IngestedBatch(Base):
+class IngestedBatch(RunRow, Base):
     """(run, stream, seq) of every stored batch: a retried batch is recognised and not
     re-applied. `stream` is the sending process's id: the ranks of one run, and a run
     resumed under its old id, each number seq from 0. Rows stored before revision 0004
@@ -259,251 +169,9 @@ class IngestedBatch(Base):
 
     __tablename__ = "ingested_batches"
 
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     stream: Mapped[str] = mapped_column(String(64), primary_key=True, server_default="")
     seq: Mapped[int] = mapped_column(BigInteger, primary_key=True)
     received_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
-
-
-class Step(Base):
-    """One optimizer step on one rank; NULL means not measured, NaN/Inf are kept as such."""
-
-    __tablename__ = "steps"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    loss: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    loss_scale: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    skipped: Mapped[bool] = mapped_column(Boolean)
-    grad_norm: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    lr: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: The grad norm after the loop's clip_grad_norm_ (`grad_norm` is before it).
-    grad_norm_clipped: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: The activation norm of the final norm's input (the last block's output).
-    act_prenorm_mean: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_prenorm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: Maxima over layers of Adam's second-moment lag and update/weight ratio.
-    adam_rms_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    update_ratio_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: `activation_norm_spike`'s firing threshold for the value it judged at this step, as
-    #: the rule engine computed it at ingest with the run's effective settings
-    #: (`ampwatch.server.alerts.activation.firing_threshold`); NULL where it judged nothing
-    #: (rule off, warm-up calibration, baseline too short, a non-finite norm).
-    act_threshold: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: The rule judged this step's value above its threshold (NULL: not judged).
-    act_above: Mapped[bool | None] = mapped_column(Boolean)
-    #: Every param group's lr when there is more than one: packed little-endian float64
-    #: (`ampwatch.server.packed`), NaN and Inf kept; NULL with a single group.
-    lr_groups: Mapped[bytes | None] = mapped_column(LargeBinary)
-
-
-class GradNormPart(Base):
-    """One rank's part of a sharded step's global grad norm (wire `grad_sumsq`): the
-    collector adds the parts of a step into `steps.grad_norm` of its lowest rank once all
-    `parts` arrived (`ampwatch.server.ingest`); kept, so that a re-sent part recombines
-    the same norm whatever the order of arrival."""
-
-    __tablename__ = "grad_norm_parts"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    sumsq: Mapped[float] = mapped_column(NonFiniteFloat)
-    parts: Mapped[int] = mapped_column(Integer)
-
-
-class AbandonedStep(Base):
-    """A step a resumed run abandoned: recorded after the resume plan's checkpoint
-    (`from_step` of the `resumed` event) before the run was resumed from it. Moved here out
-    of `steps` when the `resumed` event is stored (`ampwatch.server.rollback`), so `steps`
-    and its rollups hold the live branch only while the abandoned tail stays drawable (the
-    run page greys it). `branch` numbers the run's resumes from 1. Only the fields the
-    rollback is drawn with are kept."""
-
-    __tablename__ = "abandoned_steps"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    branch: Mapped[int] = mapped_column(Integer, primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    from_step: Mapped[int] = mapped_column(BigInteger)
-    skipped: Mapped[bool] = mapped_column(Boolean)
-    loss: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    loss_scale: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    grad_norm: Mapped[float | None] = mapped_column(NonFiniteFloat)
-
-
-class _StepExtremes:
-    """The columns a step rollup of any level holds after its key: the bucket's first and
-    last step, its skip and step counts, and min and max of every step field."""
-
-    first_step: Mapped[int] = mapped_column(BigInteger)
-    last_step: Mapped[int] = mapped_column(BigInteger)
-    skipped_count: Mapped[int] = mapped_column(Integer)
-    #: Step rows in the bucket: exact where the agent dropped steps inside it, which the
-    #: span `last_step - first_step + 1` would count.
-    step_count: Mapped[int] = mapped_column(Integer, server_default="0")
-    loss_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    loss_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    loss_scale_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    loss_scale_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    grad_norm_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    grad_norm_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    lr_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    lr_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_mean_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_norm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    grad_norm_clipped_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    grad_norm_clipped_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_prenorm_mean_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_prenorm_mean_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_prenorm_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_prenorm_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    adam_rms_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    adam_rms_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    update_ratio_max_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    update_ratio_max_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    #: `Step.act_threshold`'s extremes and the steps judged above it: the series draws the
-    #: bucket's minimum threshold where a step was above, else its maximum.
-    act_threshold_min: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_threshold_max: Mapped[float | None] = mapped_column(NonFiniteFloat)
-    act_above_count: Mapped[int] = mapped_column(Integer, server_default="0")
-
-
-class StepRollup(_StepExtremes, Base):
-    """Min and max of every step field over the `ROLLUP_WIDTH` steps from `bucket_start`.
-
-    A downsampled 100k-step series from raw rows is a 100k-row scan (about 45 ms in SQLite
-    on this machine before any HTTP); from these rows it is a 1,600-row scan. Ingest
-    recomputes each touched rollup from the raw rows in the same transaction, so a re-sent
-    step can never leave a stale extreme behind. NaN sorts above every number in both
-    SQLite (as the text 'NaN') and PostgreSQL, so `*_max` is NaN whenever a NaN was seen.
-    """
-
-    __tablename__ = "step_rollups"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-
-
-class StepRollupLevel(_StepExtremes, Base):
-    """`StepRollup`'s columns over the `level` steps from `bucket_start`, for the levels
-    above it (256, 1,024, ... 65,536: `ampwatch.server.rollups`), each computed from the
-    level below, and one under it (16, from the raw steps); a whole-run series of a
-    2M-step run reads ~2,000 rows, not 31,000, and a zoomed window of 50,000 steps reads
-    ~3,000, not 50,000.
-
-    A table of its own, not a level column in `step_rollups`: every reader of the 64-step
-    rollups (run totals, the advisor, the runs list) stays as it is.
-    """
-
-    __tablename__ = "step_rollup_levels"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    level: Mapped[int] = mapped_column(Integer, primary_key=True)
-    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-
-
-class RunStepTotals(Base):
-    """Per (run, rank): the steps and skipped steps stored, and the last step, kept by
-    `refresh_step_rollups` in the ingest transaction (the rollups' change, added).
-
-    The runs list and every scrape of `/metrics` read these: summing a run's rollups is
-    a scan of its whole length (1,000 runs of 10,000 steps: 157k rows, ~26 ms in SQLite
-    on this machine, and ten times that for 100k-step runs); this is a row per rank.
-    """
-
-    __tablename__ = "run_step_totals"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    steps: Mapped[int] = mapped_column(BigInteger)
-    skipped_steps: Mapped[int] = mapped_column(BigInteger)
-    last_step: Mapped[int] = mapped_column(BigInteger)
-
-
-class Layer(Base):
-    """A parameter tensor of a run, numbered in order of first sight (`idx`)."""
-
-    __tablename__ = "layers"
-    __table_args__ = (UniqueConstraint("run_id", "name"),)
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
-
-
-class Module(Base):
-    """A leaf module of a run whose activations are measured, numbered in order of first
-    sight (`idx`). Apart from `layers`: module paths are not parameter names, and sharing
-    one index would give every parameter statistic's matrix a null column per module."""
-
-    __tablename__ = "modules"
-    __table_args__ = (UniqueConstraint("run_id", "name"),)
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH))
-
-
-class LayerStat(Base):
-    """One statistic for every layer of a run at one step: packed float64, by layer idx.
-    Activation statistics (wire `ACTIVATION_STATS`) are packed by module idx instead."""
-
-    __tablename__ = "layer_stats"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    stat: Mapped[str] = mapped_column(String(64), primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    values: Mapped[bytes] = mapped_column(LargeBinary)
-
-
-class LayerRollup(Base):
-    """Per-layer maxima and minima of one statistic over the `level` steps from
-    `bucket_start` (`ampwatch.server.layer_rollups`): packed like `layer_stats.values`.
-
-    Levels of 64, 256, ... 65,536 steps, so that a whole-run heatmap or layer series reads
-    a bounded number of rows at any run length (at 2M steps: ~2,000 rows, not 200,000).
-    """
-
-    __tablename__ = "layer_rollups"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    stat: Mapped[str] = mapped_column(String(64), primary_key=True)
-    level: Mapped[int] = mapped_column(Integer, primary_key=True)
-    bucket_start: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    first_step: Mapped[int] = mapped_column(BigInteger)
-    last_step: Mapped[int] = mapped_column(BigInteger)
-    #: Raw samples the bucket holds.
-    samples: Mapped[int] = mapped_column(Integer)
-    maxima: Mapped[bytes] = mapped_column(LargeBinary)
-    minima: Mapped[bytes] = mapped_column(LargeBinary)
-
-
-class LayerHistogram(Base):
-    """One layer's gradient exponent histogram at one step: bins `first_bin`.. onwards.
-
-    `counts` is packed little-endian int64, the non-empty span the agent sent. A row per
-    (layer, step) because every read is one layer's histograms at a step or over steps.
-    """
-
-    __tablename__ = "layer_histograms"
-
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
-    rank: Mapped[int] = mapped_column(Integer, primary_key=True)
-    layer_idx: Mapped[int] = mapped_column(Integer, primary_key=True)
-    step: Mapped[int] = mapped_column(BigInteger, primary_key=True)
-    first_bin: Mapped[int] = mapped_column(SmallInteger)
-    counts: Mapped[bytes] = mapped_column(LargeBinary)
 
 
 class Event(Base):
@@ -572,7 +240,7 @@ class Alert(Base):
     values: Mapped[dict[str, Any]] = mapped_column(JSON, default=dict)
 
 
-class AlertState(Base):
+class AlertState(RunRow, Base):
     """A rule evaluator's rolling state for a run (baselines, windows, counters), so that
     each batch is evaluated from this row and the batch alone -- cost independent of the
     run's length -- and so that every collector worker continues from the same state.
@@ -580,7 +248,6 @@ class AlertState(Base):
 
     __tablename__ = "alert_state"
 
-    run_id: Mapped[int] = mapped_column(ForeignKey("runs.id", ondelete="CASCADE"), primary_key=True)
     key: Mapped[str] = mapped_column(String(64), primary_key=True)
     data: Mapped[dict[str, Any]] = mapped_column(JSON)
     updated_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)

@@ -8,9 +8,10 @@ from sqlalchemy import ColumnElement, ScalarSelect, Select, Subquery, func, sele
 from sqlalchemy.orm import Session, aliased
 
 from ampwatch.agent.wire import DROPPED_KINDS, encode_float
-from ampwatch.server.models import Event, Health, Run, RunStatus, RunStepTotals, Step, StepRollup
+from ampwatch.server.models import Event, Health, Run, RunStatus
 from ampwatch.server.rollups import ROLLUP_WIDTH
 from ampwatch.server.schemas.runs import EventPublic, EventsPublic, RunPublic, RunsPublic
+from ampwatch.server.step_models import RunStepTotals, Step, StepRollup
 
 #: The runs list's `skip_rate` covers the last this many step rollups of each run (1,024
 #: steps at `ROLLUP_WIDTH` 64): recent enough to show a skip storm now, read from a few

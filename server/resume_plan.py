@@ -11,7 +11,7 @@ become a plan (`GET /api/v1/runs/{id}/resume-plan`, `ampwatch resume-plan RUN --
 - the settings to change, each with its reason: a lower lr (half the lr in effect at the
   checkpoint: OPT-175B's logbook lowered the lr on restarts after a divergence); the loss
   scaler's `init_scale` and `growth_interval` from the gradients' exponent histograms
-  (`ampwatch.server.fp8_readiness.loss_scale_advice`); bf16 when FP16 ran out of range (a
+  (`ampwatch.server.loss_scale_advice`); bf16 when FP16 ran out of range (a
   non-finite loss, a collapsed or floored scale, or gradients wider than FP16's range).
 
 `watch(resume_from=plan)` continues the run under the same id from the checkpoint's step
@@ -27,10 +27,11 @@ import math
 from sqlalchemy import select
 from sqlalchemy.orm import Session
 
-from ampwatch.server.advisor import AdvisorConfig, first_non_finite_loss, restart_candidates
+from ampwatch.server.advisor import first_non_finite_loss, restart_candidates
 from ampwatch.server.firing import firing_alerts
-from ampwatch.server.fp8_readiness import loss_scale_advice
-from ampwatch.server.models import Alert, Event, Run, Step
+from ampwatch.server.incident import AdvisorConfig
+from ampwatch.server.loss_scale_advice import loss_scale_advice
+from ampwatch.server.models import Alert, Event, Run
 from ampwatch.server.schemas.advisor import DataSkip
 from ampwatch.server.schemas.resume_plan import (
     BatchRange,
@@ -39,6 +40,7 @@ from ampwatch.server.schemas.resume_plan import (
     PlanSkip,
     ResumePlan,
 )
+from ampwatch.server.step_models import Step
 
 #: The flat `skip_batches` list is given up to this many batches (ranges beyond).
 MAX_SKIP_BATCHES = 10_000

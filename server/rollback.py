@@ -27,9 +27,9 @@ from sqlalchemy import delete, func, insert, literal, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import encode_float
-from ampwatch.server.models import AbandonedStep, GradNormPart, Step
 from ampwatch.server.rollups import refresh_step_rollups
 from ampwatch.server.schemas.runs import AbandonedTail, AbandonedTails
+from ampwatch.server.step_models import AbandonedStep, GradNormPart, Step
 
 #: Abandoned steps one answer holds at most (newest resume first); the rest are counted.
 MAX_ABANDONED_STEPS = 20_000

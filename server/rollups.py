@@ -31,7 +31,7 @@ from sqlalchemy.orm import Session
 from ampwatch.agent.wire import STEP_FLOAT_FIELDS
 from ampwatch.server.db import insert_for
 from ampwatch.server.layer_rollups import FINEST, LAYER_LEVELS, LEVEL_FACTOR
-from ampwatch.server.models import RunStepTotals, Step, StepRollup, StepRollupLevel
+from ampwatch.server.step_models import RunStepTotals, Step, StepRollup, StepRollupLevel
 
 #: Steps per rollup bucket of `step_rollups`. 100k steps become ~1,600 rollup rows; a
 #: batch of the agent's (up to 2,000 records) touches a few dozen buckets.

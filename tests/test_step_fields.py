@@ -15,7 +15,7 @@ import pytest
 
 from ampwatch.agent import wire
 from ampwatch.dashboard import series_types
-from ampwatch.server import models
+from ampwatch.server import step_models
 from ampwatch.server.rollups import ROLLUP_COLUMNS
 from ampwatch.server.schemas import runs
 from ampwatch.server.schemas import wire as wire_schema
@@ -29,7 +29,7 @@ FIELDS = set(wire.STEP_FLOAT_FIELDS)
         ("wire.StepRecord", lambda: set(typing.get_type_hints(wire.StepRecord))),
         ("schemas.wire.StepIn", lambda: set(wire_schema.StepIn.model_fields)),
         ("schemas.runs.StepSeries", lambda: set(runs.StepSeries.model_fields)),
-        ("models.Step", lambda: set(models.Step.__table__.columns.keys())),
+        ("step_models.Step", lambda: set(step_models.Step.__table__.columns.keys())),
         (
             "dashboard series_types.StepSeries",
             lambda: {f.name for f in dataclasses.fields(series_types.StepSeries)},
@@ -43,5 +43,5 @@ def test_every_place_of_the_row_carries_every_step_field(place: str, names: typi
 def test_the_rollups_hold_each_fields_extremes() -> None:
     extremes = {f"{field}_{end}" for field in FIELDS for end in ("min", "max")}
     assert extremes <= set(ROLLUP_COLUMNS)
-    for table in (models.StepRollup, models.StepRollupLevel):
+    for table in (step_models.StepRollup, step_models.StepRollupLevel):
         assert extremes <= set(table.__table__.columns.keys()), table.__name__

@@ -10,7 +10,7 @@ range scan, and a histogram row is already an array (the non-empty span of 256 e
 bins, packed little-endian int64), so there is no per-value row to avoid.
 
 `step_rollups` holds min/max of every step field per 64-step bucket, so a downsampled
-series of a long run reads ~1/64 of the rows (see `ampwatch.server.models.StepRollup`).
+series of a long run reads ~1/64 of the rows (see `ampwatch.server.step_models.StepRollup`).
 """
 
 from __future__ import annotations

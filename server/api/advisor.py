@@ -6,8 +6,9 @@ from typing import Annotated
 
 from fastapi import APIRouter, Query
 
-from ampwatch.server.advisor import restart_candidates, run_config
+from ampwatch.server.advisor import restart_candidates
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server.incident import run_config
 from ampwatch.server.schemas.advisor import RestartCandidates
 from ampwatch.server.schemas.wire import MAX_STEP
 

@@ -34,15 +34,7 @@ from ampwatch.server.api.deps import (
     SessionRoute,
 )
 from ampwatch.server.db import begin_write, dialect_insert
-from ampwatch.server.models import (
-    Alert,
-    AlertConfig,
-    AlertStatus,
-    Project,
-    Run,
-    Severity,
-    utcnow,
-)
+from ampwatch.server.models import Alert, AlertConfig, AlertStatus, Project, Run, Severity, utcnow
 from ampwatch.server.schemas.alerts import (
     AlertConfigIn,
     AlertConfigPublic,

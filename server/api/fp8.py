@@ -1,4 +1,5 @@
-"""`/api/v1/runs/{id}/fp8-readiness` and `…/loss-scale-advice` (`ampwatch.server.fp8_readiness`)."""
+"""`/api/v1/runs/{id}/fp8-readiness` and `…/loss-scale-advice` (`ampwatch.server.fp8_readiness`,
+`ampwatch.server.loss_scale_advice`)."""
 
 from __future__ import annotations
 
@@ -8,13 +9,8 @@ from fastapi import APIRouter, Query
 
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
 from ampwatch.server.api.run_data import RankQuery
-from ampwatch.server.fp8_readiness import (
-    Fp8Limits,
-    Fp8Readiness,
-    LossScaleAdvice,
-    fp8_readiness,
-    loss_scale_advice,
-)
+from ampwatch.server.fp8_readiness import Fp8Limits, Fp8Readiness, fp8_readiness
+from ampwatch.server.loss_scale_advice import LossScaleAdvice, loss_scale_advice
 
 router = APIRouter(
     route_class=SessionRoute, prefix="/runs", tags=["fp8 readiness"], responses=RUN_ERRORS

@@ -4,9 +4,9 @@ from __future__ import annotations
 
 from fastapi import APIRouter
 
-from ampwatch.server.advisor import run_config
 from ampwatch.server.api.advisor import MarginSteps
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, SessionDep, SessionRoute
+from ampwatch.server.incident import run_config
 from ampwatch.server.resume_plan import resume_plan
 from ampwatch.server.schemas.resume_plan import ResumePlan
 

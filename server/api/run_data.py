@@ -18,7 +18,7 @@ from pydantic import BaseModel
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import ACTIVATION_STATS, LAYER_STATS, PARAMETER_STATS
-from ampwatch.server import full_layers, history, queries, rollback, series
+from ampwatch.server import full_layers, history, layer_reads, queries, rollback, series
 from ampwatch.server.api.deps import RUN_ERRORS, RunIdDep, RunReadDep, SessionDep, SessionRoute
 from ampwatch.server.rule_lines import rule_lines
 from ampwatch.server.schemas.runs import (
@@ -84,7 +84,7 @@ def _known_stat(stat: str) -> str:
 
 
 def _layer_idx(session: Session, run_id: int, layer: str, stat: str = LAYER_STATS[0]) -> int:
-    idx = series.layer_index(session, run_id, layer, stat)
+    idx = layer_reads.layer_index(session, run_id, layer, stat)
     if idx is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} has no layer {layer!r}")
     return int(idx)
@@ -130,7 +130,7 @@ def get_layers(
 ) -> Response:
     """One per-layer statistic as a steps x layers matrix, bucket maxima beyond the limits."""
     return _json(
-        series.layer_matrix(
+        layer_reads.layer_matrix(
             session,
             run_id,
             _known_stat(stat),
@@ -176,7 +176,7 @@ def get_layer_series(
 ) -> Response:
     """One layer's statistic over steps, min/max-downsampled beyond max_points."""
     return _json(
-        series.layer_series(
+        layer_reads.layer_series(
             session,
             run_id,
             layer,

@@ -9,7 +9,7 @@ import math
 import numpy as np
 
 from ampwatch.agent import wire
-from ampwatch.server.models import sqlite_float
+from ampwatch.server.column_types import sqlite_float
 from ampwatch.server.packed import to_wire_rows
 
 VALUES = [1.5, math.nan, math.inf, -math.inf, 0.0]

@@ -30,8 +30,8 @@ from ampwatch.agent import wire
 from ampwatch.server import migrate
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.models import Step
 from ampwatch.server.schemas.wire import BatchIn
+from ampwatch.server.step_models import Step
 
 #: One spawn runs every case (the first test pays for it): ~1 min of CPU, longer on a
 #: loaded host, where each gloo collective waits for both processes to be scheduled.

@@ -177,7 +177,9 @@ class RowCounter:
 
     def data_counts(self) -> tuple[int, ...]:
         """Rows of the tables a batch writes, in one round trip (for per-request checks)."""
-        from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
+        from ampwatch.server.layer_models import LayerStat
+        from ampwatch.server.models import Event, IngestedBatch, Run
+        from ampwatch.server.step_models import Step
 
         tables = (Run, IngestedBatch, Step, LayerStat, Event)
         statement = select(*(select(func.count()).select_from(t).scalar_subquery() for t in tables))

@@ -21,7 +21,9 @@ from torch import nn
 
 from ampwatch.agent import watch
 from ampwatch.agent.wire import LAYER_STATS, WIRE_VERSION
-from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
+from ampwatch.server.layer_models import LayerStat
+from ampwatch.server.models import Event, IngestedBatch, Run
+from ampwatch.server.step_models import Step
 
 LAYER_STATS_EVERY = 10
 STEPS_DEFAULT = 120

@@ -30,7 +30,9 @@ from sqlalchemy import func, select
 
 from ampwatch.agent.delivery import DeliveryOptions
 from ampwatch.agent.wire import INGEST_PATH, LAYER_STATS
-from ampwatch.server.models import Event, IngestedBatch, LayerStat, Run, Step
+from ampwatch.server.layer_models import LayerStat
+from ampwatch.server.models import Event, IngestedBatch, Run
+from ampwatch.server.step_models import Step
 
 pytestmark = pytest.mark.postgres
 

@@ -18,7 +18,8 @@ from pathlib import Path
 from reliability_procs import record_figure, wait_for
 from sqlalchemy import func, select
 
-from ampwatch.server.models import Event, IngestedBatch, Step
+from ampwatch.server.models import Event, IngestedBatch
+from ampwatch.server.step_models import Step
 
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 

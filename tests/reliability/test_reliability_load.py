@@ -23,7 +23,9 @@ from sqlalchemy import func, select
 
 from ampwatch.agent.retry import is_retryable
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server.models import IngestedBatch, LayerStat, Step
+from ampwatch.server.layer_models import LayerStat
+from ampwatch.server.models import IngestedBatch
+from ampwatch.server.step_models import Step
 
 pytestmark = pytest.mark.postgres
 

@@ -298,8 +298,8 @@ _CONSTANT_TEMPLATES = {
     # a module constant (an int) in a PRAGMA, which takes no bound parameter
     ("server/db.py", 'f"PRAGMA busy_timeout={SQLITE_BUSY_TIMEOUT_MS}"'),
     # the driver's placeholder mark ('?' or '%s') into a constant template; values bound
-    ("server/series.py", 'sql.format("%s")'),
-    ("server/series.py", "sql.format(mark)"),
+    ("server/layer_reads.py", 'sql.format("%s")'),
+    ("server/layer_reads.py", "sql.format(mark)"),
 }
 
 

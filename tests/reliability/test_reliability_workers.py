@@ -26,7 +26,8 @@ from sqlalchemy import func, select
 from ampwatch.server import auth
 from ampwatch.server.db import make_engine, make_sessionmaker
 from ampwatch.server.metrics import COUNTER_FILE_SUFFIX
-from ampwatch.server.models import IngestedBatch, Step
+from ampwatch.server.models import IngestedBatch
+from ampwatch.server.step_models import Step
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMETHEUS = ROOT / "deploy" / "prometheus"

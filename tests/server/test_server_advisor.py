@@ -13,15 +13,10 @@ from sqlalchemy import delete, event
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, EventRecord
-from ampwatch.server.advisor import (
-    AdvisorConfig,
-    _AlertSpan,
-    incident_onset,
-    margin_for,
-    restart_candidates,
-)
+from ampwatch.server.advisor import restart_candidates
 from ampwatch.server.cli import main
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.incident import AdvisorConfig, AlertSpan, incident_onset, margin_for
 from ampwatch.server.models import Alert, utcnow
 
 #: For tests whose subject does not depend on the database (HTTP, CLI, arithmetic).
@@ -255,17 +250,17 @@ def test_long_run_baseline_comes_from_rollups(client: httpx.Client) -> None:
 def test_incident_onset_chains_precursors() -> None:
     config = AdvisorConfig()
     spans = [
-        _AlertSpan("activation_norm_spike", "", "warning", 100, 130, None),  # fired late
-        _AlertSpan("skip_rate", "", "warning", 60, 62, 70),  # closed 40 steps before: chained
-        _AlertSpan("underflow_risk", "fc", "warning", 0, 5, None),  # not a precursor
-        _AlertSpan("loss_scale_collapse", "", "critical", 110, 112, None),
-        _AlertSpan("loss_scale_collapse", "", "critical", 500, 501, None),  # a later incident
+        AlertSpan("activation_norm_spike", "", "warning", 100, 130, None),  # fired late
+        AlertSpan("skip_rate", "", "warning", 60, 62, 70),  # closed 40 steps before: chained
+        AlertSpan("underflow_risk", "fc", "warning", 0, 5, None),  # not a precursor
+        AlertSpan("loss_scale_collapse", "", "critical", 110, 112, None),
+        AlertSpan("loss_scale_collapse", "", "critical", 500, 501, None),  # a later incident
     ]
     assert incident_onset(spans, config=config) is not None
     assert incident_onset(spans, config=config).step == 60  # type: ignore[union-attr]
     gap = AdvisorConfig(incident_gap=10)
     assert incident_onset(spans, config=gap).step == 100  # type: ignore[union-attr]
-    pending_critical = [_AlertSpan("loss_scale_collapse", "", "critical", 110, None, None)]
+    pending_critical = [AlertSpan("loss_scale_collapse", "", "critical", 110, None, None)]
     assert incident_onset(pending_critical, config=config) is None
     assert margin_for(100_000, config=config) == 2000
     assert margin_for(None, config=config) == 20

@@ -14,7 +14,8 @@ from wire_batches import step_record
 
 from ampwatch.server import lifecycle
 from ampwatch.server.alerts import evaluate, sweep
-from ampwatch.server.models import AlertConfig, Notification, Step, Webhook
+from ampwatch.server.models import AlertConfig, Notification, Webhook
+from ampwatch.server.step_models import Step
 
 
 def configure(feed: Feed, rules: dict[str, dict[str, Any]]) -> None:

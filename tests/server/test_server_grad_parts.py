@@ -17,8 +17,8 @@ from sqlalchemy import select
 from wire_batches import step_record
 
 from ampwatch.agent.wire import StepRecord, encode_float
-from ampwatch.server.models import Step, StepRollup, StepRollupLevel
 from ampwatch.server.rollups import refresh_step_rollups
+from ampwatch.server.step_models import Step, StepRollup, StepRollupLevel
 
 STEPS = 12
 RANKS = 2

@@ -187,14 +187,14 @@ def test_the_layer_name_cache_is_bounded_by_names_not_runs() -> None:
     from collections import OrderedDict
     from datetime import datetime, timezone
 
-    from ampwatch.server import ingest
+    from ampwatch.server import layer_ingest
 
     cache: OrderedDict[tuple[str, int, datetime], dict[str, int]] = OrderedDict()
     moment = datetime.now(timezone.utc)
-    per_run = ingest._NAMES_CACHED_PER_ENGINE // 4
+    per_run = layer_ingest._NAMES_CACHED_PER_ENGINE // 4
     for run in range(10):
-        ingest._remember(cache, ("layers", run, moment), {f"n{i}": i for i in range(per_run)})
-    assert sum(map(len, cache.values())) <= ingest._NAMES_CACHED_PER_ENGINE
+        layer_ingest._remember(cache, ("layers", run, moment), {f"n{i}": i for i in range(per_run)})
+    assert sum(map(len, cache.values())) <= layer_ingest._NAMES_CACHED_PER_ENGINE
     assert [key[1] for key in cache] == [6, 7, 8, 9]  # the most recent runs stay
-    ingest._remember(cache, ("layers", 99, moment), {f"n{i}": i for i in range(10**6)})
+    layer_ingest._remember(cache, ("layers", 99, moment), {f"n{i}": i for i in range(10**6)})
     assert not cache  # one run over the bound alone is not kept

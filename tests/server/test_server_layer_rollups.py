@@ -20,10 +20,11 @@ from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.agent.wire import WIRE_VERSION, encode_float
-from ampwatch.server import cli, migrate, series
+from ampwatch.server import cli, layer_reads, migrate
 from ampwatch.server.ingest import ingest_batch
+from ampwatch.server.layer_models import LayerRollup, LayerStat
 from ampwatch.server.layer_rollups import LAYER_LEVELS, age_layer_stats
-from ampwatch.server.models import LayerRollup, LayerStat, Run
+from ampwatch.server.models import Run
 from ampwatch.server.packed import unpack_matrix
 from ampwatch.server.schemas.wire import BatchIn
 
@@ -191,7 +192,7 @@ def _direct_matrix(raw: list[tuple[int, list[Any]]], width: int) -> tuple[list[i
 
 
 def _matrix(session: Session, run_id: int, **window: Any) -> Any:
-    return series.layer_matrix(session, run_id, "zero_fraction", 0, max_layers=100, **window)
+    return layer_reads.layer_matrix(session, run_id, "zero_fraction", 0, max_layers=100, **window)
 
 
 def test_whole_run_reads_rollups_and_zoom_reads_raw_rows(
@@ -212,8 +213,10 @@ def test_whole_run_reads_rollups_and_zoom_reads_raw_rows(
             [s for s, _ in raw if 12_001 <= s <= 12_999],
             [c for s, c in raw if 12_001 <= s <= 12_999],
         )
-        layer = series.layer_series(session, run_id, NAMES[2], 2, "zero_fraction", 0, max_points=40)
-        exact = series.layer_series(
+        layer = layer_reads.layer_series(
+            session, run_id, NAMES[2], 2, "zero_fraction", 0, max_points=40
+        )
+        exact = layer_reads.layer_series(
             session, run_id, NAMES[2], 2, "zero_fraction", 0, start=12_300, end=12_400,
             max_points=40,
         )  # fmt: skip
@@ -233,7 +236,7 @@ def test_aging_keeps_the_rollups_and_every_read_correct(
     with sessions() as session:
         raw = _raw(session, run_id, 0, "zero_fraction")
         before = _matrix(session, run_id, max_steps=50)
-        before_layer = series.layer_series(
+        before_layer = layer_reads.layer_series(
             session, run_id, NAMES[1], 1, "zero_fraction", 0, max_points=40
         )
     assert cli.main(["age-layer-stats", "--keep-steps", "5000", "--database-url", db_url]) == 0
@@ -249,7 +252,9 @@ def test_aging_keeps_the_rollups_and_every_read_correct(
         # Whole-run reads: the same answers as before aging (they came from rollups).
         assert _matrix(session, run_id, max_steps=50) == before
         assert (
-            series.layer_series(session, run_id, NAMES[1], 1, "zero_fraction", 0, max_points=40)
+            layer_reads.layer_series(
+                session, run_id, NAMES[1], 1, "zero_fraction", 0, max_points=40
+            )
             == before_layer
         )
         # A zoom into the aged span: 64-step buckets, equal to the raw rows' maxima.

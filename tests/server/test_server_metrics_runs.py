@@ -21,7 +21,8 @@ from wire_batches import make_batch, step_record
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server import queries, run_metrics
 from ampwatch.server.db import make_engine
-from ampwatch.server.models import Run, Step, utcnow
+from ampwatch.server.models import Run, utcnow
+from ampwatch.server.step_models import Step
 
 
 def post(url: str, batch: Any) -> httpx.Response:

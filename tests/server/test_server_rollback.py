@@ -15,11 +15,12 @@ from sqlalchemy import delete, select
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, decode_float
-from ampwatch.server.advisor import AdvisorConfig, restart_candidates
+from ampwatch.server.advisor import restart_candidates
 from ampwatch.server.db import make_engine, make_sessionmaker
-from ampwatch.server.models import RunStepTotals, StepRollup, StepRollupLevel
+from ampwatch.server.incident import AdvisorConfig
 from ampwatch.server.resume_plan import resume_plan
 from ampwatch.server.rollups import refresh_step_rollups
+from ampwatch.server.step_models import RunStepTotals, StepRollup, StepRollupLevel
 
 RUNS = "/api/v1/runs"
 OLD_END, FROM_STEP, NEW_END, SECOND_FROM = 300, 150, 200, 100

@@ -12,8 +12,8 @@ import numpy as np
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, decode_float
-from ampwatch.server.advisor import run_config
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.incident import run_config
 
 SPIKE = 120
 

@@ -21,9 +21,9 @@ from ampwatch.agent.wire import STEP_FLOAT_FIELDS, WIRE_VERSION, encode_float
 from ampwatch.server import migrate, series
 from ampwatch.server.ingest import ingest_batch
 from ampwatch.server.layer_rollups import LAYER_LEVELS
-from ampwatch.server.models import Step, StepRollup, StepRollupLevel
 from ampwatch.server.rollups import FINE_LEVEL, ROLLUP_WIDTH, STEP_LEVELS
 from ampwatch.server.schemas.wire import BatchIn
+from ampwatch.server.step_models import Step, StepRollup, StepRollupLevel
 
 _run_ids = itertools.count()
 #: The fields a test step carries (the others stay unmeasured, NULL).
