@@ -53,7 +53,7 @@ from ampwatch.server.layer_rollups import (
     rollups_from_rows,
 )
 from ampwatch.server.migrate import upgrade
-from ampwatch.server.schemas.wire import BatchIn
+from ampwatch.server.schemas.wire import MAX_BATCH_LAYER_VALUES, BatchIn
 
 LAYER_EVERY = 10
 STEPS_PER_BATCH = 2000
@@ -77,36 +77,48 @@ def populate(database_url: str, steps: int, layers: int, *, bulk: bool = False) 
     sessions = make_sessionmaker(engine)
     rng = np.random.default_rng(0)
     names = [f"blocks.{i // 8}.layer{i % 8}.weight" for i in range(layers)]
+    # A wire batch holds at most MAX_BATCH_LAYER_VALUES: a step batch's layer samples go
+    # in as many batches as they need (2,000 steps x 1,000 layers is 800,000 values).
+    per_batch = max(1, MAX_BATCH_LAYER_VALUES // (layers * len(LAYER_STATS)))
+    seq = 0
     try:
-        for seq, first in enumerate(range(1, steps + 1, STEPS_PER_BATCH)):
+        for first in range(1, steps + 1, STEPS_PER_BATCH):
             last = min(first + STEPS_PER_BATCH, steps + 1)
             losses = (2.0 + rng.random(last - first)).tolist()
             sampled = range(first, last, LAYER_EVERY)
-            batch = {
-                "wire_version": WIRE_VERSION,
-                "run": {"client_run_id": "bench", "name": "bench", "project": "default"},
-                "stream": "0",
-                "seq": seq,
-                "steps": [
-                    {"step": s, "rank": 0, "skipped": s % 1009 == 0, "loss": loss,
-                     "loss_scale": 65536.0, "grad_norm": loss, "lr": 1e-3,
-                     "act_norm_mean": 7.0, "act_norm_max": 11.0}
-                    for s, loss in zip(range(first, last), losses)
-                ],
-                "layer_stats": [] if bulk and seq else [
-                    {"step": s, "rank": 0, "names": names,
-                     "stats": {stat: rng.random(layers).tolist() for stat in LAYER_STATS}}
+            step_records = [
+                {"step": s, "rank": 0, "skipped": s % 1009 == 0, "loss": loss,
+                 "loss_scale": 65536.0, "grad_norm": loss, "lr": 1e-3,
+                 "act_norm_mean": 7.0, "act_norm_max": 11.0}
+                for s, loss in zip(range(first, last), losses)
+            ]  # fmt: skip
+            parsed = [] if bulk and seq else list(sampled)
+            chunks = [parsed[i : i + per_batch] for i in range(0, len(parsed), per_batch)]
+            for k, chunk in enumerate(chunks or [[]]):
+                batch = {
+                    "wire_version": WIRE_VERSION,
+                    "run": {"client_run_id": "bench", "name": "bench", "project": "default"},
+                    "stream": "0",
+                    "seq": seq,
+                    "steps": [] if k else step_records,
+                    "layer_stats": [
+                        {"step": s, "rank": 0, "names": names,
+                         "stats": {stat: rng.random(layers).tolist() for stat in LAYER_STATS}}
+                        for s in chunk
+                    ],
+                }  # fmt: skip
+                seq += 1
+                with sessions() as session:
+                    ack = ingest_batch(
+                        session, BatchIn.model_validate(batch), evaluate_alerts=False
+                    )
+            if bulk and not parsed:
+                rows = [
+                    (ack.run_id, 0, stat, s, rng.random(layers).astype("<f8").tobytes())
                     for s in sampled
-                ],
-            }  # fmt: skip
-            with sessions() as session:
-                ack = ingest_batch(session, BatchIn.model_validate(batch), evaluate_alerts=False)
-                if bulk and seq:
-                    rows = [
-                        (ack.run_id, 0, stat, s, rng.random(layers).astype("<f8").tobytes())
-                        for s in sampled
-                        for stat in LAYER_STATS
-                    ]
+                    for stat in LAYER_STATS
+                ]
+                with sessions() as session:
                     begin_write(session)
                     upsert(session, LayerStat, LAYER_STAT_COLUMNS, rows, LAYER_STAT_KEY)
                     session.commit()
