@@ -18,10 +18,10 @@ the lead time each warning had, recorded on it once the event happens (issue 32)
   own rolling median becomes critical.
 
 Lead time: a precursor alert that fired keeps its step here (`PrecursorState.awaiting`);
-when an event alert (`EVENT_RULES`) of the run first holds at or after it, the precursor
-alerts' `values` get `event_rule`, `event_step` (the event's onset) and `lead_steps`
-(event step - the precursor's fired step), once (`stamp_leads`, after the batch's
-transitions are written).
+once the first event alert (`EVENT_RULES`) of the run with its onset at or after it has
+fired, the precursor alerts' `values` get `event_rule`, `event_step` (the event's onset)
+and `lead_steps` (event step - the precursor's fired step), once (`stamp_leads`, after the
+batch's transitions are written; a pending event may still be dropped, so it waits).
 
 State: one dataclass under the engine's ``precursors`` key, bounded (rings of
 `baseline_samples` values, the window's falls, one number per layer for the flush trend).
