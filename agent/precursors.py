@@ -1,5 +1,5 @@
-"""Precursors of a divergence read from an Adam-family optimizer's own state, every step,
-on the device, without a host sync or a collective.
+"""Precursors of a divergence read from an Adam-family optimizer's own state, every `EVERY`
+steps, on the device, without a host read or a collective.
 
 Wortsman et al. 2023 ("Small-scale proxies for large-scale Transformer training
 instabilities", arXiv 2304.13013) found that loss spikes "consistently occur 1-8

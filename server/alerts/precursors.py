@@ -2,7 +2,7 @@
 the lead time each warning had, recorded on it once the event happens (issue 32).
 
 - `update_rms_rise` (warning): Adam's second-moment lag, `adam_rms_max` (the agent reads
-  it from the optimizer every step, `agent/precursors.py`), leaves its own rolling median:
+  it from the optimizer every `EVERY` (4) steps, `agent/precursors.py`), leaves its own rolling median:
   the gradients outgrow what the optimizer has seen. Wortsman et al. 2023 (arXiv
   2304.13013): loss spikes follow 1-8 steps later.
 - `scale_decline` (warning): the loss scale fell by 2^`min_octaves` within `window_steps`
