@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, FastAPI, HTTPException, Query
-from sqlalchemy import func, select
+from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import run_version
@@ -81,20 +81,44 @@ def _public(alert: Alert) -> AlertPublic:
 
 
 def _page(
-    session: Session, conditions: list[Any], limit: int, offset: int, *, join_run: bool = False
+    session: Session, conditions: list[Any], limit: int, offset: int, project: str | None = None
 ) -> AlertsPublic:
-    query = select(Alert)
-    count = select(func.count()).select_from(Alert)
-    if join_run:
-        query = query.join(Run, Run.id == Alert.run_id)
-        count = count.join(Run, Run.id == Alert.run_id)
-    total = session.scalar(count.where(*conditions)) or 0
-    alerts = session.scalars(
-        query.where(*conditions).order_by(Alert.id.desc()).limit(limit).offset(offset)
-    )
+    """A page of the alerts matching `conditions` (and of `project`'s runs), newest first.
+
+    A project's page takes one of two plans, chosen by the counts (`_walks_far`): walk the
+    alerts newest first, keeping the project's, until the page is full; or take all of the
+    project's alerts by run and sort them. The walk suits a project with most of the alerts
+    (as a join, SQLite sorted them all: 23 ms for 100 of 8,192 in `bench/load.py`, 0.2 ms
+    walking); the sort, one with few (walking 200,000 alerts to find 10 took 47 ms on
+    SQLite and 32 ms on PostgreSQL, whose planner walked either way; 0.3 ms sorted).
+    """
+    count = select(func.count()).select_from(Alert).where(*conditions)
+    query = select(Alert).where(*conditions)
+    newest_first = Alert.id.desc()
+    if project is not None:
+        count = count.join(Run, Run.id == Alert.run_id).where(Run.project == project)
+    total = session.scalar(count) or 0
+    if project is not None:
+        if _walks_far(session, total, offset + limit):
+            query = query.join(Run, Run.id == Alert.run_id).where(Run.project == project)
+            newest_first = (Alert.id + 0).desc()  # not the primary key's order: no walk
+        else:
+            query = query.where(exists().where(Run.id == Alert.run_id, Run.project == project))
+    alerts = session.scalars(query.order_by(newest_first).limit(limit).offset(offset))
     return AlertsPublic(
         alerts=[_public(a) for a in alerts], total=total, limit=limit, offset=offset
     )
+
+
+def _walks_far(session: Session, matching: int, wanted: int) -> bool:
+    """Whether walking the alerts newest first would read more rows than the `matching`
+    ones a sort reads: with the matches spread evenly over the id range, the walk reads
+    about `wanted` x range / `matching` (the range's ends are two primary-key reads)."""
+    # Two subqueries: SQLite reads min and max from the primary key only one at a time.
+    ends = (select(f(Alert.id)).scalar_subquery() for f in (func.min, func.max))
+    low, high = session.execute(select(*ends)).one()
+    span = (high - low + 1) if high is not None else 0
+    return wanted * span > matching * matching
 
 
 def _filters(status: str | None, severity: str | None, rule: str | None) -> list[Any]:
@@ -140,10 +164,7 @@ def list_alerts(
     if project is not None:
         principal.check_project(project)
     conditions = _filters(status, severity, rule)
-    scope = principal.project or project
-    if scope is not None:
-        conditions.append(Run.project == scope)
-    return _page(session, conditions, limit, offset, join_run=scope is not None)
+    return _page(session, conditions, limit, offset, project=principal.project or project)
 
 
 @router.get("/alert-rules")
