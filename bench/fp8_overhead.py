@@ -64,11 +64,11 @@ def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], .
     workspace = Workspace()  # reused, as the monitor reuses it
     for rows, cols in sizes:
         x = torch.randn(rows, cols, device=device)
-        quantisation_counts(x, workspace)
+        quantisation_counts([x], workspace)
         times = []
         for _ in range(calls):
             wall = time.perf_counter()
-            quantisation_counts(x, workspace)
+            quantisation_counts([x], workspace)
             _sync(device)
             times.append(time.perf_counter() - wall)
         seconds = statistics.median(times)
