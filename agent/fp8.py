@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -25,15 +25,22 @@ from torch.utils.hooks import RemovableHandle
 
 from ampwatch.agent import shards, wire
 from ampwatch.agent.compiled import tracing
-from ampwatch.agent.fp8_counts import VALUES_PER_TENSOR, Workspace, quantisation_counts, shares
+from ampwatch.agent.fp8_counts import (
+    VALUES_PER_TENSOR,
+    Workspace,
+    batch_key,
+    quantisation_counts,
+    shares,
+)
 
 #: One sample every 500 steps. `bench/fp8_overhead.py` (CPU, one torch thread, 2 cores
-#: shared with a load average of ~14) measured a step that samples against one that does
-#: not: 1.07x / 1.29x / 1.54x on the training loop's wall clock for its 5x 200x333-Linear
-#: model / 0.1M / 3M models (the statistics of CPU tensors run on the sender thread), and
-#: 3.5x / 1.6x / 2.0x in the process's CPU time, all threads. 1 in 200 then averaged +1.2%
-#: CPU per step on the first (the bar is 1%); 1 in 500 averages <= 0.5% on all three.
-#: FP8 readiness drifts over thousands of steps, not hundreds.
+#: shared, load average < 1) measured a step that samples against one that does not, with
+#: a shape's tensors measured in one call: 1.04x / 0.99x / 1.03x on the training loop's
+#: wall clock for its 5x 200x333-Linear model / 0.1M / 3M models (the statistics of CPU
+#: tensors run on the sender thread), and 2.29x / 1.25x / 1.41x in the process's CPU time,
+#: all threads (one call per tensor: 2.74x / 1.40x / 1.44x). 1 in 500 averages <= 0.3% CPU
+#: per step on all three (the bar is 1%; 1 in 200 would be ~0.65% on the first). FP8
+#: readiness drifts over thousands of steps, not hundreds.
 DEFAULT_EVERY = 500
 
 #: The most bytes of CPU tensors one sample copies for the sender thread to measure (the
@@ -55,13 +62,16 @@ def check_options(every: int | None, recipe: str | None) -> None:
 
 @dataclass(frozen=True, slots=True)
 class _Later:
-    """A copy of a CPU tensor, measured on the sender thread (`Fp8Sample.records`)."""
+    """A tensor measured later, with the others of its 2-D shape (`_resolved`): a copy of a
+    CPU tensor, on the sender thread (`Fp8Sample.records`), or (`copy` False) a weight or
+    gradient as it is, on the training thread at the end of its sample."""
 
     tensor: torch.Tensor
+    copy: bool = True
 
 
 #: One measured tensor, or one layer's inputs over a step's micro-batches: counts vectors
-#: (`quantisation_counts`) and copies still to measure.
+#: (`quantisation_counts`) and tensors still to measure.
 _Parts = list[torch.Tensor | _Later]
 
 
@@ -119,19 +129,32 @@ class Fp8Sample:
 
 
 def _measured(entries: list[_Parts], workspace: Workspace | None) -> torch.Tensor:
-    """Every entry's counts vector, in order, on the first entry's device: copies measured
-    now, a layer's micro-batches folded (`_fold`)."""
-    vectors = [
-        _fold(
-            [
-                quantisation_counts(p.tensor, workspace) if isinstance(p, _Later) else p
-                for p in parts
-            ]
-        )
-        for parts in entries
-    ]
+    """Every entry's counts vector, in order, on the first entry's device: what is left to
+    measure measured now (`_resolved`), a layer's micro-batches folded (`_fold`)."""
+    resolved = _resolved(entries, workspace, lambda later: True)
+    vectors = [_fold(cast("list[torch.Tensor]", parts)) for parts in resolved]
     device = vectors[0].device
     return torch.cat([v.to(device, non_blocking=True) for v in vectors])
+
+
+def _resolved(
+    entries: list[_Parts], workspace: Workspace | None, which: Callable[[_Later], bool]
+) -> list[_Parts]:
+    """`entries` with each `_Later` that `which` picks replaced by its counts vector: one
+    `quantisation_counts` call per 2-D shape and device (`batch_key`), which a model's
+    layers share (one per shape, not one per tensor: the launches cost as much as a small
+    tensor's arithmetic)."""
+    out = [list(parts) for parts in entries]
+    places: dict[tuple[int, int, torch.device], list[tuple[int, int]]] = {}
+    for i, parts in enumerate(entries):
+        for j, part in enumerate(parts):
+            if isinstance(part, _Later) and which(part):
+                places.setdefault(batch_key(part.tensor), []).append((i, j))
+    for batch in places.values():
+        tensors = [cast(_Later, entries[i][j]).tensor for i, j in batch]
+        for (i, j), vector in zip(batch, quantisation_counts(tensors, workspace), strict=True):
+            out[i][j] = vector
+    return out
 
 
 def _linear_weights(model: nn.Module) -> list[tuple[str, nn.Linear]]:
@@ -216,23 +239,28 @@ class Fp8Monitor:
                 x = args[0]
                 if isinstance(x, torch.Tensor) and x.is_floating_point() and x.numel():
                     parts, numel = self._inputs.get(name, ([], 0))
-                    parts.append(self._measure(x))
+                    parts.append(self._measure(x, now=True))
                     self._inputs[name] = (parts, numel + x.numel())
             except Exception as exc:  # noqa: BLE001 - never let the agent break a forward pass
                 self._on_error(exc)
 
         return hook
 
-    def _measure(self, x: torch.Tensor) -> torch.Tensor | _Later:
+    def _measure(self, x: torch.Tensor, *, now: bool) -> torch.Tensor | _Later:
         """A CPU tensor's copy for the sender thread to measure, while this sample's copies
         stay under `_COPY_BYTES`: the training thread pays a copy, not the statistics (a
         CPU runs them as it goes). Else (a GPU tensor: kernels launched in stream order,
-        no sync) its counts vector now."""
+        no sync) its counts vector now, or (not `now`: a weight or gradient, which stays
+        as it is until the sample ends) the tensor, measured with the others of its shape
+        at the end of the sample. An activation is measured at once: a later forward may
+        change it in place, and holding it would hold its memory."""
         nbytes = x.numel() * x.element_size()
         if x.device.type == "cpu" and self._copied + nbytes <= _COPY_BYTES:
             self._copied += nbytes
             return _Later(x.detach().clone())
-        return quantisation_counts(x, self._workspace)
+        if not now:
+            return _Later(x.detach(), copy=False)
+        return quantisation_counts([x], self._workspace)[0]
 
     def _sample(self, step: int) -> Fp8Sample:
         roles: list[tuple[str, list[str], list[int]]] = []
@@ -246,7 +274,10 @@ class Fp8Monitor:
         # Sharded weights (FSDP): this rank's local shard, its gradient's likewise.
         weights = [(n, m.weight) for n, m in self._layers]
         local = [(n, w, t) for n, w in weights if (t := shards.local_tensor(w)) is not None]
-        add("weight", [(n, [self._measure(t)], t.numel()) for n, _, t in local if t.numel()])
+        add(
+            "weight",
+            [(n, [self._measure(t, now=False)], t.numel()) for n, _, t in local if t.numel()],
+        )
         grads = [
             (n, g)
             for n, w, _ in local
@@ -255,8 +286,9 @@ class Fp8Monitor:
             and (g := shards.local_tensor(w.grad)) is not None
             and g.numel()
         ]
-        add("grad", [(n, [self._measure(g)], g.numel()) for n, g in grads])
+        add("grad", [(n, [self._measure(g, now=False)], g.numel()) for n, g in grads])
         add("act", [(n, *self._inputs[n]) for n, _ in self._layers if n in self._inputs])
+        entries = _resolved(entries, self._workspace, lambda later: not later.copy)
         if any(isinstance(p, _Later) for parts in entries for p in parts):
             return Fp8Sample(
                 step, self._rank, roles, None, None, entries, self._sender_workspace, self._on_error

@@ -1,4 +1,4 @@
-"""FP8 quantisation counts: what one tensor would lose if cast to FP8, under each scaling of
+"""FP8 quantisation counts: what a tensor would lose if cast to FP8, under each scaling of
 `wire.FP8_SCALINGS` and each format of `wire.FP8_FORMATS` (the arithmetic behind
 `ampwatch.agent.fp8`'s readiness samples): on the device, counts and squared errors
 (`quantisation_counts`); on the host, the shares they make (`shares`).
@@ -26,12 +26,15 @@ Semantics (one home: `quantisation_counts`; the tests check them against torch's
 - spread: log2(max group amax / min non-zero group amax), in binary orders of magnitude:
   how far apart the groups' scales are (0 when fewer than one non-zero group).
 
-Cost: no host sync; one read of each tensor for all eight combinations (`quantisation_counts`:
-group maxima once, then the eight scaled copies a slice at a time on reused buffers), the
-rounding done in float32 arithmetic equal to the casts (`_round_into`; torch's E4M3 ->
-float32 decode alone took ~10x as long on a CPU), the saturate count proven 0 rather than
-counted (`SATURATE_ABOVE`). `bench/fp8_overhead.py` measured it; see
-`ampwatch.agent.fp8.DEFAULT_EVERY`.
+Cost: no host sync; one call, and one set of launches, for all the tensors of one 2-D
+shape (`quantisation_counts`: a call's many small launches cost ~0.5 ms on a CPU, about a
+200x333 tensor's arithmetic); one read of each tensor for all eight
+combinations (group maxima once, then the eight scaled copies a slice of rows at a time on
+reused buffers), the rounding done in float32 arithmetic equal to the casts
+(`_round_into`; torch's E4M3 -> float32 decode alone took ~10x as long on a CPU), the
+saturate count proven 0 rather than counted (`SATURATE_ABOVE`). `bench/fp8_overhead.py`
+measured it (one torch thread): ~19 ns a value for six 200x333 tensors in one call,
+against ~28 alone; see `ampwatch.agent.fp8.DEFAULT_EVERY`.
 """
 
 from __future__ import annotations
@@ -62,10 +65,13 @@ ROUNDING: dict[str, tuple[int, float]] = {"e4m3": (3, 2.0**-6), "e5m2": (2, 2.0*
 _EXPONENT_BITS = 0x7F800000  # a float32's exponent field
 assert wire.FP8_SCALINGS[-1] == "mx", "group_scales puts the MX scales last"
 _MX = len(wire.FP8_SCALINGS) - 1
-#: Rows per slice of the eight-combination work: ~this many values of the tensor (x 8
+#: Rows per slice of the eight-combination work: ~this many values of the batch (x 8
 #: combinations x 3 float32 buffers = 12 MiB), so a large activation's work memory is
 #: bounded.
 _CHUNK_VALUES = 1 << 17
+#: The most values (of same-shape tensors) one set of launches measures: the magnitudes
+#: buffer, 16 MiB of float32, or one tensor's if larger.
+_BATCH_VALUES = 1 << 22
 #: The largest work buffer a `Workspace` keeps (64 MiB of float32).
 _KEEP_VALUES = 1 << 24
 TILE = 128
@@ -131,123 +137,166 @@ class Workspace:
         return buffer[:numel].view(shape)
 
 
-def _magnitudes(x: torch.Tensor, workspace: Workspace) -> torch.Tensor:
-    """|x| in float32 as [rows, columns rounded up to MX_GROUP], NaN/Inf as 0, zero padded:
-    the one copy every scaling reads (padding is zero, so it moves no count or norm)."""
-    flat = x.detach().reshape(1, -1) if x.dim() < 2 else x.detach().reshape(-1, x.shape[-1])
-    rows, cols = flat.shape
-    a = workspace.take("magnitudes", (rows, cols + -cols % MX_GROUP), flat.device)
+def batch_key(x: torch.Tensor) -> tuple[int, int, torch.device]:
+    """Rows, columns and device of `x` viewed as 2-D (rows = every leading dim, columns =
+    the last; a vector is one row): tensors with one key go in one `quantisation_counts`
+    call, whatever their dtypes."""
+    cols = x.shape[-1] if x.dim() >= 2 else x.numel()
+    return x.numel() // max(cols, 1), cols, x.device
+
+
+def _magnitudes(tensors: Sequence[torch.Tensor], workspace: Workspace) -> torch.Tensor:
+    """|x| in float32 as [tensors, rows, columns rounded up to MX_GROUP], NaN/Inf as 0, zero
+    padded: the one copy every scaling reads, each tensor written straight into its slice
+    (padding is zero, so it moves no count or norm)."""
+    rows, cols, device = batch_key(tensors[0])
+    if any(batch_key(x) != (rows, cols, device) for x in tensors):
+        shapes = [(tuple(x.shape), str(x.device)) for x in tensors]
+        raise ValueError(f"one call measures tensors of one 2-D shape and device, got {shapes}")
+    a = workspace.take("magnitudes", (len(tensors), rows, cols + -cols % MX_GROUP), device)
     if cols % MX_GROUP:
-        a[:, cols:] = 0
-    a[:, :cols] = flat
+        a[:, :, cols:] = 0
+    for slot, x in zip(a, tensors, strict=True):
+        slot[:, :cols] = x.detach().reshape(rows, cols)
     return torch.nan_to_num_(a.abs_(), 0.0, 0.0, 0.0)
 
 
 def _coarser(amax: torch.Tensor, width: int) -> torch.Tensor:
-    """Group maxima of `width` adjacent columns (the last one maybe narrower): the maxima
-    of the groups they are made of."""
-    pad = -amax.shape[1] % width
+    """Group maxima of `width` adjacent entries of the last dim (the last group maybe
+    narrower): the maxima of the groups they are made of."""
+    pad = -amax.shape[-1] % width
     padded = torch.nn.functional.pad(amax, (0, pad)) if pad else amax
-    return padded.view(amax.shape[0], -1, width).amax(dim=-1)
+    return padded.view(*amax.shape[:-1], -1, width).amax(dim=-1)
 
 
 def _finer(amax: torch.Tensor, width: int, columns: int) -> torch.Tensor:
-    """Each group's value spread back to the `width` columns it is made of (`columns` of
-    them in all)."""
-    return amax.repeat_interleave(width, dim=1)[:, :columns]
+    """Each group's value spread back to the `width` entries of the last dim it is made of
+    (`columns` of them in all)."""
+    return amax.repeat_interleave(width, dim=-1)[..., :columns]
 
 
-def quantisation_counts(x: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
-    """Launch the FP8 reductions for one tensor; return its float64 device vector
-    (`VALUES_PER_TENSOR` values; layout above). Never syncs.
+def quantisation_counts(
+    tensors: Sequence[torch.Tensor], workspace: Workspace | None = None
+) -> torch.Tensor:
+    """Launch the FP8 reductions for tensors of one `batch_key`; return their float64 device
+    vectors as [tensors, `VALUES_PER_TENSOR`] (layout above), each row exactly what a call
+    with that tensor alone gives. Never syncs.
 
-    One read of the tensor: its magnitudes, once; every scaling's group maxima from the
-    1x32 groups' (a 1x128 tile is four of them, a 128x128 block 128 rows of tiles, the
-    tensor all blocks); then all eight combinations at once, a slice of rows at a time:
-    the scaled values, their rounding (`_round_into`), the flush count, and the squared
-    error summed per 1x32 group and brought back by that group's 1/s^2.
+    One call per shape, not per tensor: the launches cost about as much as the arithmetic
+    of a 200x333 tensor (a transformer's blocks share a few shapes). At most
+    `_BATCH_VALUES` values are measured at once (`_batch_counts`), so the work memory
+    stays near one large tensor's.
 
-    >>> v = quantisation_counts(torch.tensor([[1.0, 1e-6, 0.0]]))
+    >>> v = quantisation_counts([torch.tensor([[1.0, 1e-6, 0.0]])])[0]
     >>> v[0].item(), v[1].item()  # per-tensor E4M3: 1e-6 * 448 < 2^-10 flushes; none saturate
     (1.0, 0.0)
     """
     workspace = Workspace() if workspace is None else workspace
-    a = _magnitudes(x, workspace)
-    rows, cols = a.shape
-    groups = a.view(rows, cols // MX_GROUP, MX_GROUP)
-    mx_amax = groups.amax(dim=-1)  # [rows, 1x32 groups]
-    tile_amax = _coarser(mx_amax, TILE // MX_GROUP)  # [rows, tiles]
-    blocks = _coarser(tile_amax.T, BLOCK).T  # [row blocks, tiles]
+    rows, cols, _ = batch_key(tensors[0])
+    step = max(1, _BATCH_VALUES // (rows * (cols + -cols % MX_GROUP)))
+    parts = [
+        _batch_counts(tensors[start : start + step], workspace)
+        for start in range(0, len(tensors), step)
+    ]
+    return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+
+def _batch_counts(tensors: Sequence[torch.Tensor], workspace: Workspace) -> torch.Tensor:
+    """`quantisation_counts` of a few tensors, in one set of launches.
+
+    One read of each tensor: its magnitudes, once; every scaling's group maxima from the
+    1x32 groups' (a 1x128 tile is four of them, a 128x128 block 128 rows of tiles of one
+    tensor, the tensor all its blocks); then all eight combinations, per row
+    (`_row_sums`); then each tensor's sums over its rows."""
+    a = _magnitudes(tensors, workspace)
+    batch, rows, cols = a.shape
+    groups = a.view(batch, rows, cols // MX_GROUP, MX_GROUP)
+    mx_amax = groups.amax(dim=-1)  # [tensors, rows, 1x32 groups]
+    width = mx_amax.shape[-1]
+    tile_amax = _coarser(mx_amax, TILE // MX_GROUP)  # [tensors, rows, tiles]
+    blocks = _coarser(tile_amax.mT, BLOCK).mT  # [tensors, row blocks, tiles]
+    top = tile_amax.amax(dim=(1, 2))  # [tensors]
     per_tile = {  # every scaling's amax, spread to each 1x32 group it covers
-        "tensor": tile_amax.amax().expand_as(mx_amax),
-        "tile": _finer(tile_amax, TILE // MX_GROUP, mx_amax.shape[1]),
-        "block": _finer(_finer(blocks, TILE // MX_GROUP, mx_amax.shape[1]).T, BLOCK, rows).T,
+        "tensor": top[:, None, None].expand_as(mx_amax),
+        "tile": _finer(tile_amax, TILE // MX_GROUP, width),
+        "block": _finer(_finer(blocks, TILE // MX_GROUP, width).mT, BLOCK, rows).mT,
         "mx": mx_amax,
     }
-    scale = group_scales(torch.stack([per_tile[s] for s in wire.FP8_SCALINGS]))
-    scale_sq = scale.double().square()  # float64: s^2 overflows float32 for tiny groups
-    step = max(1, _CHUNK_VALUES // cols)
+    amax = torch.stack([per_tile[s] for s in wire.FP8_SCALINGS]).flatten(1, 2)
+    # Per tensor, the sums of its rows' (one reduction for all: the same order for any
+    # batch): [kept per combination, err^2 per combination, ||x||^2].
+    total = _row_sums(groups.flatten(0, 1), amax, workspace).view(-1, batch, rows).sum(dim=-1)
+    # x != 0 and q == 0 (one count per tensor: count_nonzero(dim=...) took ~10x as long).
+    flushed = torch.stack([t.count_nonzero() for t in a]) - total[:_COMBOS]
+    saturated = torch.zeros_like(flushed)  # none can: see SATURATE_ABOVE
+    counts = torch.stack([flushed, saturated, total[_COMBOS:-1]], dim=-1)  # [combos, tensors, 3]
+    # Spreads: every scaling's largest group amax is the tensor's.
+    smallest = {
+        name: torch.where(amax > 0, amax, math.inf).amin(dim=(1, 2))
+        for name, amax in (("tile", tile_amax), ("block", blocks), ("mx", mx_amax))
+    }
+    low = torch.stack([smallest[name] for name in wire.FP8_SPREAD_SCALINGS], dim=1)
+    spreads = torch.where(top[:, None] > 0, torch.log2(top[:, None] / low), 0.0).double()
+    return torch.cat([counts.transpose(0, 1).flatten(1), total[-1:].T, spreads], dim=1)
+
+
+def _row_sums(groups: torch.Tensor, amax: torch.Tensor, workspace: Workspace) -> torch.Tensor:
+    """Per row of `groups` ([rows, 1x32 groups, 32] magnitudes; `amax`: each scaling's,
+    [scalings, rows, groups]): float64 [2 x combinations + 1, rows], the count of values
+    kept (q != 0) and the squared error per combination, then ||x||^2. All eight
+    combinations at once, a slice of rows at a time: the scales (`group_scales`), the
+    scaled values, their rounding (`_round_into`), the kept count, and the squared error
+    summed per 1x32 group and brought back by that group's 1/s^2. Everything is made a
+    slice at a time: a batch's scales at once would be fresh pages each call."""
+    rows, width = groups.shape[0], groups.shape[1] * MX_GROUP
+    step = max(1, _CHUNK_VALUES // width)
     shape = (_COMBOS, min(step, rows), *groups.shape[1:])
-    y, q, c = (workspace.take(name, shape, a.device) for name in ("y", "q", "c"))
-    sums: list[
-        torch.Tensor
-    ] = []  # per slice: [kept per combination, err^2 per combination, ||x||^2]
+    y, q, c = (workspace.take(name, shape, groups.device) for name in ("y", "q", "c"))
+    sums = torch.empty(2 * _COMBOS + 1, rows, dtype=torch.float64, device=groups.device)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         ys, qs, cs = y[:, :n], q[:, :n], c[:, :n]
-        s_sq = scale_sq[:, start : start + n]
-        torch.mul(groups[start : start + n], scale[:, start : start + n, :, None], out=ys)
-        # ||x||^2 from the scaled values (|x|^2 underflows float32): per-tensor E4M3's,
-        # one scale for the tensor.
+        scale = group_scales(amax[:, start : start + n])
+        scale_sq = scale.double().square()  # float64: s^2 overflows float32 for tiny groups
+        torch.mul(groups[start : start + n], scale[..., None], out=ys)
+        # ||x||^2 from per-tensor E4M3's scaled values (|x|^2 underflows float32).
         rows_y = ys[0].view(n, -1)
-        norm_sq = torch.linalg.vecdot(rows_y, rows_y).double().sum()[None] / s_sq[0, 0, 0]
+        sums[-1, start : start + n] = torch.linalg.vecdot(rows_y, rows_y) / scale_sq[0, :, 0]
         _round_into(qs, cs, ys)
-        # Kept: q != 0. A sum of q's signs (0 or 1; exact in float32 up to 2^24 per slice)
-        # counts ~5x faster than count_nonzero(dim=...) on a CPU.
-        kept = torch.sign(qs, out=cs).sum(dim=(1, 2, 3)).double()
+        # Kept: a sum of q's signs (0 or 1; exact in float32 up to 2^24 per row) counts ~5x
+        # faster than count_nonzero(dim=...) on a CPU.
+        sums[:_COMBOS, start : start + n] = torch.sign(qs, out=cs).sum(dim=(2, 3))
         diff_sq = qs.sub_(ys).square_().sum(dim=-1)  # per 1x32 group, float32
-        err_sq = (diff_sq.double() / s_sq).sum(dim=(1, 2))
-        sums.append(torch.cat([kept, err_sq, norm_sq]))
-    total = sums[0] if len(sums) == 1 else torch.stack(sums).sum(dim=0)
-    flushed = a.count_nonzero() - total[:_COMBOS]  # x != 0 and q == 0
-    saturated = torch.zeros_like(flushed)  # none can: see SATURATE_ABOVE
-    counts = torch.stack([flushed, saturated, total[_COMBOS:-1]], dim=1).flatten()
-    # Spreads: every scaling's largest group amax is the tensor's.
-    smallest = {
-        name: torch.where(amax > 0, amax, math.inf).amin()
-        for name, amax in (("tile", tile_amax), ("block", blocks), ("mx", mx_amax))
-    }
-    top = per_tile["tensor"][0, 0]
-    low = torch.stack([smallest[name] for name in wire.FP8_SPREAD_SCALINGS])
-    spreads = torch.where(top > 0, torch.log2(top / low), 0.0).double()
-    return torch.cat([counts, total[-1:], spreads])
+        sums[_COMBOS:-1, start : start + n] = (diff_sq.double() / scale_sq).sum(dim=2)
+    return sums
 
 
 def _round_into(q: torch.Tensor, c: torch.Tensor, y: torch.Tensor) -> None:
     """q = y (>= 0, below the saturation threshold; [combinations, ...]) rounded to each
     combination's format, to nearest-even, in float32 ops on the work buffers q and c,
-    without a float8 tensor: y + c - c rounds y to a multiple of c's ulp when
-    c = 2^(e + 23 - m) (e: y's exponent, no lower than the format's smallest normal
-    exponent, so subnormals round to their fixed step; m: its mantissa bits). Equal to
-    torch's saturating casts element for element (the tests check); the cast's E4M3 ->
-    float32 decode alone took ~10x this on a CPU."""
+    without a float8 tensor: y + C - C rounds y to a multiple of C's ulp when
+    C = 2^e x 2^(23 - m) (2^e: y's exponent bits, no lower than the format's smallest
+    normal, so subnormals round to their fixed step; m: its mantissa bits). C is exact,
+    so each addcmul is the one rounding of the add. Equal to torch's saturating casts
+    element for element (the tests check); the cast's E4M3 -> float32 decode alone took
+    ~10x this on a CPU, and clamping y before masking it one pass more (~20% of this)."""
     shape = (_COMBOS,) + (1,) * (y.dim() - 1)
-    _, _, smallest_normal, shift = _constants(y.device)
-    torch.clamp(y, min=smallest_normal.view(shape), out=c)
-    c.view(torch.int32).bitwise_and_(_EXPONENT_BITS).add_(shift.view(shape))
-    torch.add(y, c, out=q).sub_(c)
+    _, _, smallest_normal, ulp_shift = _constants(y.device)
+    torch.bitwise_and(y.view(torch.int32), _EXPONENT_BITS, out=c.view(torch.int32))
+    torch.maximum(c, smallest_normal.view(shape), out=c)  # 2^e (0 for a subnormal y), floored
+    torch.addcmul(y, c, ulp_shift.view(shape), out=q).addcmul_(c, ulp_shift.view(shape), value=-1)
 
 
 @functools.cache
 def _constants(device: torch.device) -> tuple[torch.Tensor, ...]:
     """Per format: fmax, E (fmax = 0.875 * 2^E); per combination: the smallest normal
-    value, the exponent shift 23 - m in place (`_round_into`). Made once per device."""
+    value, 2^(23 - m) (`_round_into`). Made once per device."""
     fmax = torch.tensor([f[1] for f in FORMATS.values()], device=device)
     top = torch.tensor([f[2] for f in FORMATS.values()], device=device, dtype=torch.int32)
     rounding = [ROUNDING[fmt] for _ in wire.FP8_SCALINGS for fmt in wire.FP8_FORMATS]
     smallest_normal = torch.tensor([r[1] for r in rounding], device=device)
-    shift = torch.tensor([(23 - r[0]) << 23 for r in rounding], device=device, dtype=torch.int32)
-    return fmax, top, smallest_normal, shift
+    ulp_shift = torch.tensor([2.0 ** (23 - r[0]) for r in rounding], device=device)
+    return fmax, top, smallest_normal, ulp_shift
 
 
 def shares(values: Sequence[float], numel: int) -> dict[str, float]:

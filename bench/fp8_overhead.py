@@ -18,7 +18,8 @@ shuffled order, models interleaved; each block's first step is untimed (it also 
 layer statistics' sample). Printed per model: the median over rounds of sampled / plain
 (per block, the median step of each), by wall clock and by this process's CPU time (all
 threads, the sender's included), and the average overhead at the default interval,
-(sampled - plain) / (M x plain). Isolated: `quantisation_counts` per tensor size.
+(sampled - plain) / (M x plain). Isolated: `quantisation_counts` per tensor size, one
+tensor a call and six in one call.
 
     nice python bench/fp8_overhead.py                # ~2 minutes on 2 loaded cores
     python bench/fp8_overhead.py --quick             # smoke run
@@ -46,6 +47,8 @@ from ampwatch.agent.fp8 import DEFAULT_EVERY
 from ampwatch.agent.fp8_counts import Workspace, quantisation_counts
 
 TENSOR_SIZES = ((200, 333), (1024, 256), (1024, 1024), (4096, 1024))
+#: Tensors of one size measured in one call, in the isolated figures.
+BATCH = 6
 MODELS = ("0.1M", "3M", "linear5")
 MODES = ("plain", "sampled")
 CLOCKS = ("wall", "cpu")
@@ -60,21 +63,29 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
+def _median_seconds(calls: int, device: str, xs: list[torch.Tensor], workspace: Workspace) -> float:
+    quantisation_counts(xs, workspace)
+    times = []
+    for _ in range(calls):
+        wall = time.perf_counter()
+        quantisation_counts(xs, workspace)
+        _sync(device)
+        times.append(time.perf_counter() - wall)
+    return statistics.median(times)
+
+
 def isolated_per_tensor(device: str, calls: int, sizes: tuple[tuple[int, int], ...]) -> None:
+    """`quantisation_counts` per tensor size: one tensor a call, then `BATCH` of that size
+    in one call (as the monitor measures a shape's tensors)."""
     workspace = Workspace()  # reused, as the monitor reuses it
     for rows, cols in sizes:
-        x = torch.randn(rows, cols, device=device)
-        quantisation_counts(x, workspace)
-        times = []
-        for _ in range(calls):
-            wall = time.perf_counter()
-            quantisation_counts(x, workspace)
-            _sync(device)
-            times.append(time.perf_counter() - wall)
-        seconds = statistics.median(times)
+        xs = [torch.randn(rows, cols, device=device) for _ in range(BATCH)]
+        alone = _median_seconds(calls, device, xs[:1], workspace)
+        batched = _median_seconds(calls, device, xs, workspace)
         print(
-            f"  one tensor {rows}x{cols} ({rows * cols / 1e6:.2f}M values): "
-            f"{seconds * 1e3:.2f} ms  ({seconds / (rows * cols) * 1e9:.1f} ns/value)"
+            f"  {rows}x{cols} ({rows * cols / 1e6:.2f}M values): one tensor {alone * 1e3:.2f} ms "
+            f"({alone / (rows * cols) * 1e9:.1f} ns/value); {BATCH} in one call "
+            f"{batched * 1e3:.2f} ms ({batched / (BATCH * rows * cols) * 1e9:.1f} ns/value)"
         )
 
 
