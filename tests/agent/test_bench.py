@@ -22,7 +22,7 @@ BENCH = Path(__file__).parents[2] / "bench"
         (
             "fp8_overhead.py",
             ["--models", "0.1M"],
-            ["one tensor 200x333", "sampled / plain step median", "average at M = "],
+            ["200x333 (0.07M values): one tensor", "sampled / plain step median", "average at M = "],
         ),
     ],
 )
