@@ -22,7 +22,11 @@ BENCH = Path(__file__).parents[2] / "bench"
         (
             "fp8_overhead.py",
             ["--models", "0.1M"],
-            ["200x333 (0.07M values): one tensor", "sampled / plain step median", "average at M = "],
+            [
+                "200x333 (0.07M values): one tensor",
+                "sampled / plain step median",
+                "average at M = ",
+            ],
         ),
     ],
 )
