@@ -34,7 +34,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import exists, select
+from sqlalchemy import bindparam, exists, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import begin_write, dialect_insert
@@ -259,6 +259,14 @@ def check_exposure(session: Session, settings: Settings) -> None:
         )
 
 
+#: A presented token's row and project, by its prefix: built once (every request reads it).
+_TOKEN_BY_PREFIX = (
+    select(Token, Project.name)
+    .outerjoin(Project, Project.id == Token.project_id)
+    .where(Token.prefix == bindparam("prefix"))
+)
+
+
 def resolve_principal(
     session: Session,
     settings: Settings,
@@ -289,11 +297,7 @@ def resolve_principal(
     prefix = rest.partition("_")[0]
     row = None
     if scheme == TOKEN_SCHEME and prefix:
-        row = session.execute(
-            select(Token, Project.name)
-            .outerjoin(Project, Project.id == Token.project_id)
-            .where(Token.prefix == prefix)
-        ).one_or_none()
+        row = session.execute(_TOKEN_BY_PREFIX, {"prefix": prefix}).one_or_none()
     if row is None or not hmac.compare_digest(row[0].secret_hash, hash_token(token)):
         raise AuthError(401, "unknown token; create one with: ampwatch token create --project P")
     stored, project = row
