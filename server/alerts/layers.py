@@ -76,8 +76,8 @@ class LayerState:
             "names": self.names,
             "owner": self.owner.tolist(),
             "last": self.last.tolist(),
-            "base": np.round(self.base, 6).tolist(),
-            "dev": np.round(self.dev, 6).tolist(),
+            "base": _rounded(self.base),
+            "dev": _rounded(self.dev),
             "n": self.n.tolist(),
             "hits": self.hits.tolist(),
             "risk_hits": self.risk_hits.tolist(),
@@ -90,6 +90,19 @@ class LayerState:
         owned = self.owner == rank
         self.last[owned] = -1
         self.fp8_last[owned] = -1
+
+
+def _rounded(values: np.ndarray) -> list[float]:
+    """`values` to 6 decimals (a smaller state row). Beyond 1e15 a float64 has no decimals
+    to drop, and rounding's x * 1e6 overflowed to inf past ~1.8e302 (a layer statistic of
+    1e303 made its baseline inf, which PostgreSQL's JSON refuses: the batch's alerts were
+    undone).
+
+    >>> _rounded(np.array([0.1234567, 1e303, -1e303]))
+    [0.123457, 1e+303, -1e+303]
+    """
+    small = np.abs(values) < 1e15
+    return np.where(small, np.round(np.where(small, values, 0.0), 6), values).tolist()
 
 
 class LayerSamples:
