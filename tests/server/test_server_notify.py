@@ -19,7 +19,7 @@ from wire_batches import make_batch, step_record
 from ampwatch.agent.retry import is_retryable, retry_delay
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.auth import ensure_project
-from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.db import begin_write, make_engine, make_sessionmaker
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Alert, Notification, Run, Webhook, utcnow
 from ampwatch.server.outbox import enqueue
@@ -83,6 +83,7 @@ def fire_alert(
     engine = make_engine(database_url)
     try:
         with make_sessionmaker(engine)() as session:
+            begin_write(session)  # as ingest does: waits for the delivery worker's writes
             alert = Alert(
                 run_id=run_id,
                 rule="loss_scale_collapse",
@@ -468,6 +469,9 @@ def test_one_alerts_transitions_arrive_in_order(
     engine = make_engine(fast_collector.database_url)
     try:
         with make_sessionmaker(engine)() as session:  # resolved while firing is retried
+            # A writer from the start: read first, then written, SQLite refused the write
+            # at once ("database is locked") while the worker recorded a retry.
+            begin_write(session)
             alert = session.get(Alert, alert_id)
             assert alert is not None
             alert.status, alert.resolved_step = "resolved", 130
