@@ -10,7 +10,7 @@ from typing import Annotated, Any, cast
 from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import select
+from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -28,7 +28,8 @@ from ampwatch.server.schemas.wire import MAX_INT
 from ampwatch.server.settings import Settings
 
 
-def get_settings(request: Request) -> Settings:
+async def get_settings(request: Request) -> Settings:
+    """(Async: FastAPI runs a sync dependency on a worker thread, a hop per request.)"""
     return cast(Settings, request.app.state.settings)
 
 
@@ -134,13 +135,17 @@ def resolve_caller(request: Request) -> Principal:
     Uses a session of its own, closed before the endpoint runs, so that an endpoint that
     writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
-    settings = get_settings(request)
+    settings = cast(Settings, request.app.state.settings)
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
     access = required_access(request.method, declared)
     with request.app.state.sessionmaker() as session:
         peer = request.client.host if request.client else None
         authorization = request.headers.get("authorization")
-        return resolve_principal(session, settings, authorization, access=access, peer=peer)
+        principal = resolve_principal(session, settings, authorization, access=access, peer=peer)
+        run_id = request.path_params.get("run_id")
+        if isinstance(run_id, str) and run_id.isdecimal():  # else FastAPI answers 422
+            request.scope[_RUN_KEY] = _run_row(session, int(run_id))
+        return principal
 
 
 async def get_principal(
@@ -158,16 +163,34 @@ async def get_principal(
 PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 
-def existing_run_id(run_id: int, request: Request, principal: PrincipalDep) -> int:
-    """The path's run id: 404 when no such run exists (ids beyond INTEGER included), 403
-    when it belongs to a project the caller's token is not for. Its change counter comes
-    with it, for `RunReadDep`."""
-    row = None
-    if 1 <= run_id <= MAX_INT:
-        with request.app.state.sessionmaker() as session:
-            row = session.execute(
-                select(Run.project, Run.created_at, Run.version).where(Run.id == run_id)
-            ).first()
+#: Where `resolve_caller` leaves the path's run (`_run_row`), read in the caller's hop.
+_RUN_KEY = "ampwatch.path_run"
+_RUN_ROW = select(Run.project, Run.created_at, Run.version).where(Run.id == bindparam("run_id"))
+
+
+def _run_row(session: Session, run_id: int) -> Row[Any] | None:
+    """The run's (project, created_at, version); None when there is no such run (ids
+    beyond INTEGER included)."""
+    if not 1 <= run_id <= MAX_INT:
+        return None
+    return session.execute(_RUN_ROW, {"run_id": run_id}).first()
+
+
+def _own_run_row(request: Request, run_id: int) -> Row[Any] | None:
+    with request.app.state.sessionmaker() as session:
+        return _run_row(session, run_id)
+
+
+async def existing_run_id(run_id: int, request: Request, principal: PrincipalDep) -> int:
+    """The path's run id: 404 when no such run exists, 403 when it belongs to a project
+    the caller's token is not for. Its change counter comes with it, for `RunReadDep`.
+
+    Async, with the run read in the caller's hop (`resolve_caller`): FastAPI runs a sync
+    dependency on a worker thread, and under load each hop waits for the GIL."""
+    if _RUN_KEY in request.scope:
+        row = request.scope[_RUN_KEY]
+    else:  # a route of another class: no caller's hop to share
+        row = await run_in_threadpool(_own_run_row, request, run_id)
     if row is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")
     principal.check_project(row.project)
@@ -178,7 +201,7 @@ def existing_run_id(run_id: int, request: Request, principal: PrincipalDep) -> i
 RunIdDep = Annotated[int, Depends(existing_run_id)]
 
 
-def unchanged_run(run_id: RunIdDep, request: Request) -> int:
+async def unchanged_run(run_id: RunIdDep, request: Request) -> int:
     """The path's run id, as `RunIdDep`; a 304 when the caller holds the answer's tag
     (`conditional.check_run`), else the answer carries it."""
     conditional.check_run(request, run_id)
