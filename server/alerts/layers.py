@@ -102,7 +102,10 @@ def _rounded(values: np.ndarray) -> list[float]:
     [0.123457, 1e+303, -1e+303]
     """
     small = np.abs(values) < 1e15
-    return np.where(small, np.round(np.where(small, values, 0.0), 6), values).tolist()
+    rounded: list[float] = np.where(
+        small, np.round(np.where(small, values, 0.0), 6), values
+    ).tolist()
+    return rounded
 
 
 class LayerSamples:

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import inspect
 from collections.abc import Callable, Coroutine, Iterator
+from datetime import datetime
 from typing import Annotated, Any, cast
 
 from fastapi import Depends, HTTPException, Request, Response
@@ -168,7 +169,7 @@ _RUN_KEY = "ampwatch.path_run"
 _RUN_ROW = select(Run.project, Run.created_at, Run.version).where(Run.id == bindparam("run_id"))
 
 
-def _run_row(session: Session, run_id: int) -> Row[Any] | None:
+def _run_row(session: Session, run_id: int) -> Row[str, datetime, int] | None:
     """The run's (project, created_at, version); None when there is no such run (ids
     beyond INTEGER included)."""
     if not 1 <= run_id <= MAX_INT:
@@ -176,7 +177,7 @@ def _run_row(session: Session, run_id: int) -> Row[Any] | None:
     return session.execute(_RUN_ROW, {"run_id": run_id}).first()
 
 
-def _own_run_row(request: Request, run_id: int) -> Row[Any] | None:
+def _own_run_row(request: Request, run_id: int) -> Row[str, datetime, int] | None:
     with request.app.state.sessionmaker() as session:
         return _run_row(session, run_id)
 
