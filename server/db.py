@@ -15,6 +15,7 @@ spelling, never the bare tokens PostgreSQL's json refuses.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -46,12 +47,15 @@ def make_engine(database_url: str, **kwargs: Any) -> Engine:
         Path(url.database).parent.mkdir(parents=True, exist_ok=True)
     engine = create_engine(url, **kwargs)
     event.listen(engine, "connect", _tune_sqlite)
-    event.listen(engine, "begin", _begin_sqlite)
+    turns = _WriterTurns()
+    event.listen(engine, "begin", turns.begin)
+    event.listen(engine, "commit", turns.end)
+    event.listen(engine, "rollback", turns.end)
     return engine
 
 
 def _tune_sqlite(dbapi_connection: Any, _record: Any) -> None:
-    dbapi_connection.isolation_level = None  # SQLAlchemy emits BEGIN itself (_begin_sqlite)
+    dbapi_connection.isolation_level = None  # SQLAlchemy emits BEGIN itself (_WriterTurns.begin)
     cursor = dbapi_connection.cursor()
     try:
         cursor.execute("PRAGMA journal_mode=WAL")
@@ -62,9 +66,38 @@ def _tune_sqlite(dbapi_connection: Any, _record: Any) -> None:
         cursor.close()
 
 
-def _begin_sqlite(connection: Connection) -> None:
-    immediate = connection.get_execution_options().get(SQLITE_IMMEDIATE, False)
-    connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+#: `Connection.info` key: this connection's transaction holds its engine's writer turn.
+_HOLDS_TURN = "ampwatch_writer_turn"
+
+
+class _WriterTurns:
+    """The writers of one SQLite engine (`begin_write`) take turns on a lock of this
+    process before `BEGIN IMMEDIATE`, and hand it on at commit or rollback.
+
+    Why: a writer waiting for SQLite's lock waits in SQLite's busy handler, which polls
+    with sleeps that grow to 25-100 ms: after each commit the write lock sat idle while
+    the next writer slept, and with batches of ~20 ms the waits outlasted the work. A
+    lock of the process wakes the next writer at once. Writers of other processes (the
+    CLI, a second collector) still meet at SQLite's lock. A turn not had within the busy
+    timeout (a writer nested in another on one thread) goes on to SQLite's lock as before.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+
+    def begin(self, connection: Connection) -> None:
+        immediate = connection.get_execution_options().get(SQLITE_IMMEDIATE, False)
+        if immediate and self._lock.acquire(timeout=SQLITE_BUSY_TIMEOUT_MS / 1000):
+            connection.info[_HOLDS_TURN] = True
+        try:
+            connection.exec_driver_sql("BEGIN IMMEDIATE" if immediate else "BEGIN")
+        except BaseException:
+            self.end(connection)
+            raise
+
+    def end(self, connection: Connection) -> None:
+        if connection.info.pop(_HOLDS_TURN, False):
+            self._lock.release()
 
 
 def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
