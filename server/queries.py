@@ -199,13 +199,11 @@ def list_runs(
 def _runs_page(filters: tuple[str, ...]) -> tuple[Select[Any], Select[Any]]:
     """The runs list's count and page queries for the filters given (`list_runs`' names,
     bound by name with the page's `limit` and `offset`), built once per combination."""
-    conditions: list[ColumnElement[bool]] = []
-    if "project" in filters:
-        conditions.append(Run.project == bindparam("project"))
-    if "status" in filters:
-        conditions.append(Run.status == bindparam("status"))
-    if "health" in filters:
-        conditions.append(Run.health == bindparam("health"))
+    conditions: list[ColumnElement[bool]] = [
+        getattr(Run, name) == bindparam(name)
+        for name in ("project", "status", "health")
+        if name in filters
+    ]
     if "name" in filters:
         conditions.append(Run.name.ilike(bindparam("name"), escape="\\"))
     count = select(func.count()).select_from(Run).where(*conditions)

@@ -190,7 +190,7 @@ async def existing_run_id(run_id: int, request: Request, principal: PrincipalDep
     dependency on a worker thread, and under load each hop waits for the GIL."""
     if _RUN_KEY in request.scope:
         row = request.scope[_RUN_KEY]
-    else:  # a route of another class: no caller's hop to share
+    else:  # an id pydantic reads and `str.isdecimal` does not ("+5", " 5", "5.0")
         row = await run_in_threadpool(_own_run_row, request, run_id)
     if row is None:
         raise HTTPException(status_code=404, detail=f"run {run_id} not found")

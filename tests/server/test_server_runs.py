@@ -187,6 +187,17 @@ def test_unknown_run_is_404_on_every_run_route(client: httpx.Client, run_id: str
 
 def test_non_integer_run_id_is_422(client: httpx.Client) -> None:
     assert client.get(f"{RUNS}/abc").status_code == 422
+    assert client.get(f"{RUNS}/\u0661").status_code == 422  # a digit Python reads, not pydantic
+
+
+def test_a_run_id_however_pydantic_spells_it_reads_that_run(client: httpx.Client) -> None:
+    """The caller's hop reads the run for plain digits only (`deps.resolve_caller`); the
+    other spellings FastAPI accepts read it in `existing_run_id`, with the same answer."""
+    run_id = create(client, "spelled").json()["id"]
+    for spelled in (f"+{run_id}", f"{run_id}.0", f"0{run_id}"):
+        answer = client.get(f"{RUNS}/{spelled}")
+        assert answer.status_code == 200, (spelled, answer.text)
+        assert answer.json()["id"] == run_id
 
 
 def test_end_marks_the_run_ended_once(client: httpx.Client) -> None:
