@@ -36,9 +36,10 @@ a few numbers), is serialised under the ``collapse`` key of the engine's ``steps
 
 from __future__ import annotations
 
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
+from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import fmt
 from ampwatch.server.alerts.rule_settings import LossCollapse
@@ -93,7 +94,7 @@ class CollapseState:
         return cls(loss=Track(**data.get("loss", {})), grad_norm=Track(**data.get("grad_norm", {})))
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return json_copy(self)  # type: ignore[no-any-return]
 
 
 def judge(

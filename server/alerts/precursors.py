@@ -31,7 +31,7 @@ from __future__ import annotations
 
 import math
 import statistics
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -39,6 +39,7 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
+from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.layer_settings import FlushTrend
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.rule_settings import RuleSettings, ScaleDecline, UpdateRmsRise
@@ -81,7 +82,7 @@ class PrecursorState:
                    flush=dict(data.get("flush", {})), awaiting=data.get("awaiting"))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return json_copy(self)  # type: ignore[no-any-return]
 
 
 def _median(ring: list[float]) -> float | None:

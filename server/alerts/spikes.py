@@ -24,9 +24,10 @@ from __future__ import annotations
 import bisect
 import math
 import operator
-from dataclasses import asdict, dataclass, field
+from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
+from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.lifecycle import Detail, Tracker
 from ampwatch.server.alerts.numbers import ratio, times
 from ampwatch.server.alerts.rule_settings import (
@@ -62,7 +63,7 @@ class RecentState:
                    loss_step=data.get("loss_step"), norm_step=data.get("norm_step"))  # fmt: skip
 
     def to_json(self) -> dict[str, Any]:
-        return asdict(self)
+        return json_copy(self)  # type: ignore[no-any-return]
 
     def observe(self, step: int, scale: float | None, skipped: bool, *, width: int) -> None:
         """Add a step to the window and drop the steps older than `width`."""

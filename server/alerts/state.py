@@ -14,12 +14,12 @@ True
 
 from __future__ import annotations
 
-import copy
 import math
 from dataclasses import dataclass, field, fields
 from typing import Any
 
 from ampwatch.server.alerts.collapse import CollapseState
+from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.rule_settings import LossScaleCollapse
 from ampwatch.server.alerts.spikes import RecentState
 
@@ -99,7 +99,7 @@ class StepState:
 
     @classmethod
     def from_json(cls, data: dict[str, Any] | None) -> StepState:
-        data = copy.deepcopy(data) if data else {}
+        data = json_copy(data) if data else {}
         names = {f.name for f in fields(cls)}
         values = {k: v for k, v in data.items() if k in names and k not in _NESTED}
         state = cls(**values)
@@ -108,10 +108,7 @@ class StepState:
         return state
 
     def to_json(self) -> dict[str, Any]:
-        out = {f.name: getattr(self, f.name) for f in fields(self) if f.name not in _NESTED}
-        out["recent"] = self.recent.to_json()
-        out["collapse"] = self.collapse.to_json()
-        return copy.deepcopy(out)
+        return json_copy(self)  # type: ignore[no-any-return]
 
     def reset_process(self) -> None:
         """A new training process (run start or resume): calibration starts again."""
