@@ -28,7 +28,7 @@ import flask
 import httpx
 from dash import Input, Output, State, dcc, html
 
-from ampwatch.dashboard import ids, plotly_bundle
+from ampwatch.dashboard import generator_runtime, ids, plotly_bundle
 from ampwatch.dashboard.client import CollectorClient
 from ampwatch.dashboard.pages import compare, fp8, layer, run, run_store, runs
 from ampwatch.dashboard.prefetch import Prefetcher
@@ -61,8 +61,8 @@ function ampwatchLoadPlotly() {
 </script>
 """
 
-# Dash's @babel/polyfill (core-js 2, kept: Dash's renderer needs its regeneratorRuntime)
-# judges these natives of every current browser broken -- its whitespace list still holds
+# Dash's @babel/polyfill (core-js 2; served only where `generator_runtime.RUNTIME` does not
+# suffice for Dash's scripts) judges these natives of every current browser broken -- its whitespace list still holds
 # U+180E, which Unicode 6.3 dropped -- and replaces them with JavaScript versions, which
 # plotly.js then calls tens of thousands of times while it draws (60 ms of a cold run page's
 # main thread, profiled). The natives are saved before Dash's scripts and put back after
@@ -212,6 +212,16 @@ def add_server_hooks(
         )
 
 
+class _Dash(dash.Dash):
+    """Dash, serving its scripts without @babel/polyfill where `generator_runtime`
+    suffices for them."""
+
+    # Dash calls it with keywords only; its own signature is untyped.
+    def interpolate_index(self, **kwargs: Any) -> str:  # type: ignore[override]
+        kwargs["scripts"] = generator_runtime.lighter_scripts(kwargs.get("scripts", ""))
+        return str(super().interpolate_index(**kwargs))  # type: ignore[no-untyped-call]
+
+
 class Router:
     """Which page a browser URL shows, and the app's frame around it: for the initial
     layout (`initial_layout`) and for the router callback (`page_at`)."""
@@ -330,7 +340,8 @@ def create_dash_app(
     """
     client = CollectorClient(api_url, transport=transport, token=token)
     bundle = plotly_bundle.cartesian_bundle()
-    app = dash.Dash(
+    generator_runtime.runtime_suffices()  # read Dash's scripts now, not in a first visit
+    app = _Dash(
         __name__,
         requests_pathname_prefix=requests_pathname_prefix,
         routes_pathname_prefix="/",
