@@ -78,13 +78,17 @@ def script_suffices(text: str) -> bool:
 
 @functools.cache
 def runtime_suffices() -> bool:
-    """Whether every script the installed Dash serves needs no more than `RUNTIME`."""
+    """Whether every script the installed Dash serves needs no more than `RUNTIME` (a
+    script that cannot be read: no, and the page keeps its polyfill)."""
     root = Path(dash.__file__).parent
-    return all(
-        script_suffices(path.read_text(encoding="utf-8", errors="replace"))
-        for folder in _SCRIPT_DIRS
-        for path in sorted((root / folder).glob("*.js"))
-    )
+    try:
+        return all(
+            script_suffices(path.read_text(encoding="utf-8", errors="replace"))
+            for folder in _SCRIPT_DIRS
+            for path in sorted((root / folder).glob("*.js"))
+        )
+    except OSError:
+        return False
 
 
 def lighter_scripts(scripts: str, *, suffices: bool | None = None) -> str:

@@ -54,3 +54,17 @@ def test_the_page_loads_the_runtime_or_the_polyfill_never_both(
     assert sum("polyfill" in tag for tag in full) == 1
     # The same scripts otherwise, in the same order: the runtime took the polyfill's place.
     assert [("<script>" if "polyfill" in tag else tag) for tag in full] == light
+
+
+def test_unreadable_scripts_keep_the_polyfill(monkeypatch: pytest.MonkeyPatch) -> None:
+    def unreadable(*args: object, **kwargs: object) -> str:
+        raise PermissionError("no")
+
+    monkeypatch.setattr(generator_runtime.Path, "read_text", unreadable)
+    generator_runtime.runtime_suffices.cache_clear()
+    try:
+        assert not generator_runtime.runtime_suffices()
+    finally:
+        monkeypatch.undo()
+        generator_runtime.runtime_suffices.cache_clear()
+    assert generator_runtime.runtime_suffices()
