@@ -17,6 +17,7 @@ from ampwatch.server.alerts import precursors
 from ampwatch.server.alerts.fp8 import FP8_RECORD_STATS, fp8_risk
 from ampwatch.server.alerts.layer_settings import FlushTrend, SilentUnderflow, UnderflowRisk
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.numbers import shares
 from ampwatch.server.alerts.rule_settings import RuleSettings
 from ampwatch.server.alerts.state import StepState
 from ampwatch.server.schemas.wire import LayerStatsIn
@@ -204,7 +205,7 @@ def _silent_underflow(
     rule: SilentUnderflow,
 ) -> None:
     s = record.step
-    valid = fresh & np.isfinite(zero)
+    valid = fresh & shares(zero)
     if explained or not valid.any():
         return
     base, dev, n = state.base[idx], state.dev[idx], state.n[idx]
@@ -277,7 +278,7 @@ def _underflow_risk(
     rule: UnderflowRisk,
 ) -> None:
     s = record.step
-    valid = fresh & np.isfinite(flush)
+    valid = fresh & shares(flush)
     if subnormal is None:
         subnormal = np.zeros_like(flush)
     near = np.nan_to_num(subnormal, nan=0.0) >= rule.max_subnormal_fraction

@@ -1,10 +1,12 @@
 """Numbers as the alert engine reads and writes them: a wire float made finite-or-None, a
-value for a message, a ratio in octaves, a multiple of a positive median."""
+share in [0, 1], a value for a message, a ratio in octaves, a multiple of a positive median."""
 
 from __future__ import annotations
 
 import math
 from typing import Any
+
+import numpy as np
 
 from ampwatch.agent.wire import decode_float
 
@@ -12,6 +14,17 @@ from ampwatch.agent.wire import decode_float
 def finite(value: Any) -> float | None:
     number = decode_float(value) if value is not None else None
     return number if number is not None and math.isfinite(number) else None
+
+
+def shares(values: np.ndarray) -> np.ndarray:
+    """Where `values` are shares (in [0, 1]): a layer statistic that is a fraction of the
+    layer's elements. Anything else (NaN, +-Inf, a faulty agent's 1e308) teaches no baseline
+    and is judged by no rule: with 1.7e308, 2 x a baseline's deviation overflowed.
+
+    >>> shares(np.array([0.0, 1.0, 1.5, -0.1, np.nan])).tolist()
+    [True, True, False, False, False]
+    """
+    return (values >= 0.0) & (values <= 1.0)
 
 
 def fmt(value: float | None) -> str:

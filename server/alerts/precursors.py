@@ -42,6 +42,7 @@ from ampwatch.agent.wire import decode_float
 from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.layer_settings import FlushTrend
 from ampwatch.server.alerts.lifecycle import Tracker
+from ampwatch.server.alerts.numbers import shares
 from ampwatch.server.alerts.rule_settings import RuleSettings, ScaleDecline, UpdateRmsRise
 from ampwatch.server.models import Alert
 from ampwatch.server.schemas.wire import LayerStatsIn, StepIn
@@ -210,7 +211,7 @@ def judge_flush(
 ) -> None:
     """A layer's flush share rising from its previous sample, above `min_flush`."""
     s = record.step
-    for j in np.flatnonzero(fresh & np.isfinite(flush)):
+    for j in np.flatnonzero(fresh & shares(flush)):
         name, value = record.names[j], float(flush[j])
         before = state.flush.get(name)
         state.flush[name] = value
