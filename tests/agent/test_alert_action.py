@@ -395,12 +395,19 @@ def test_raise_interrupts_the_loop_at_a_step_boundary(tmp_path: Path, sqlite_url
     upgrade(sqlite_url)
     sock = bind_socket()
     settings = Settings(database_url=sqlite_url, port=sock.getsockname()[1], dashboard=False)
+    deadline = time.monotonic() + 120  # steps run until the alert comes: a busy CI is slow
+
+    def until_deadline(step: int, handle: Any) -> None:
+        if time.monotonic() > deadline:
+            pytest.fail(f"no critical alert raised in 120 s ({step} steps)")
+        time.sleep(0.01)
+
     with (
         BackgroundCollector(settings, sock=sock) as collector,
         pytest.raises(CriticalAlert) as raised,
     ):
-        train(collector.url, tmp_path, steps=400, lr=lambda step: 1e-3, on_critical="raise",
-              poison_at=5)  # fmt: skip
+        train(collector.url, tmp_path, steps=10**9, lr=lambda step: 1e-3, on_critical="raise",
+              poison_at=5, between_steps=until_deadline)  # fmt: skip
     assert raised.value.code == EXIT_CRITICAL_ALERT
     frames = [frame.name for frame in raised.traceback]
     assert frames[-1] == "at_boundary" and "hear" not in frames
