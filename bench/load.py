@@ -21,13 +21,16 @@ every alert at the receiver within `ALERT_GRACE` of the load's end, every bogus 
 throughout, ingest batch p99 < 1 s, alert p99 < 2 s, reads >= 300/s with p99 < 2 s.
 Before the collector closed a request's session with its endpoint
 (`api.deps.SessionRoute`), 200 concurrent reads froze it: 0 of 200 answered, `/healthz`
-timed out for ~2 minutes. Before ingest had a lane of its own (`server/admission.py`), a
-batch waited as long as a read: p50 24 s under 1,000 readers, and so did every alert.
-Before reads yielded to ingest (same module), the lane alone was answered 5.6 of the 32
-batches a second (p50 6.5 s, alert p99 13 s; SQLite); now 29-33 (p50 0.2-0.65 s, alert
-p99 2.1-2.3 s), while reads fell from ~140/s to ~65-70/s: on 2 cores the collector's one
-GIL is the limit, ingest takes about two thirds of it (a 50-step batch with 5 layer
-samples ~20 ms of CPU) and reads the gaps between batches.
+timed out for ~2 minutes. Before ingest had a lane of its own (`server/admission.py`), a batch waited as long as a
+read: p50 24 s under 1,000 readers, and so did every alert. With a lane but in the
+collector's process, it shared one GIL with the reads: either reads paused for batches
+(batches on time, reads ~50-70/s, p99 ~25 s) or batches waited for reads (5.6 of 32
+batches/s). Now batches are stored by an ingest process (`server/ingest_pool.py`), and
+the reads' process runs at a lower CPU priority: on SQLite, 32.0 batches/s stored (p50
+91 ms, p99 1.6 s), alert p99 2.1 s, reads 206/s (p99 8.4 s). What is left is the machine:
+the reads' process takes one core, at ~4-5 ms of CPU a read (an alerts page ~8 ms, the
+runs list ~5 ms, a run's unchanged answer ~1.4 ms), and p99 < 2 s under 1,000 closed-loop
+readers needs >= 500 reads/s (Little's law).
 
 The clients run in two processes beside the collector and `/healthz` is probed from a
 third (so its latency is the collector's, not a busy client's event loop): on a 2-core
@@ -43,7 +46,6 @@ import multiprocessing
 import os
 import random
 import secrets
-import ssl
 import sys
 import tempfile
 import threading
@@ -58,6 +60,7 @@ sys.path.insert(0, str(ROOT / "tests" / "reliability"))  # wire_batch, as bench/
 
 import httpx
 from collector import drop_postgres_database, postgres_database, start_server
+from raw_http import Connection, ReadError
 
 from ampwatch.agent.wire import INGEST_PATH
 
@@ -78,9 +81,6 @@ PROBE_INTERVAL = 0.02
 REQUEST_TIMEOUT = 60.0
 STEPS_PER_BATCH = 50
 LAYERS = 64
-#: One TLS context for every client (plain HTTP here): each new one loads the CA bundle,
-#: ~10 ms of CPU, which 1,000 clients would spend before their first request.
-_TLS = ssl.create_default_context()
 
 
 def percentile(values: list[float], q: float) -> float:
@@ -170,31 +170,30 @@ async def _readers(
 
     async def reader() -> None:
         rng = random.Random()
-        # One client (one connection) per reader, as 1,000 browsers would be; one shared
-        # pool of 500 connections spent most of the load's CPU in httpcore's pool scans.
-        async with httpx.AsyncClient(
-            base_url=url, timeout=REQUEST_TIMEOUT, headers=headers, verify=_TLS
-        ) as client:
-            tags: dict[str, str] = {}  # as the dashboard's client keeps them
-            while time.monotonic() < deadline:
-                if rng.random() < 0.3 or not run_ids:
-                    path = rng.choice(paths)
-                else:
-                    path = f"/api/v1/runs/{rng.choice(run_ids)}{rng.choice(per_run)}"
-                held = {"If-None-Match": tags[path]} if path in tags else None
-                started = time.perf_counter()
-                try:
-                    answer = await client.get(path, headers=held)
-                except httpx.HTTPError as error:
-                    out["errors"][f"read {type(error).__name__}"] += 1
-                    continue
-                out["reads"].append(time.perf_counter() - started)
-                if answer.status_code == 304:
-                    out["unchanged"] += 1
-                elif answer.status_code != 200:
-                    out["errors"][f"read {answer.status_code}"] += 1
-                elif "etag" in answer.headers:
-                    tags[path] = answer.headers["etag"]
+        # One connection per reader, as 1,000 browsers would be (`raw_http`: httpx cost the
+        # readers ~3.5 ms of CPU a request, as much as the collector's answer).
+        connection = Connection(url, headers, REQUEST_TIMEOUT)
+        tags: dict[str, str] = {}  # as the dashboard's client keeps them
+        while time.monotonic() < deadline:
+            if rng.random() < 0.3 or not run_ids:
+                path = rng.choice(paths)
+            else:
+                path = f"/api/v1/runs/{rng.choice(run_ids)}{rng.choice(per_run)}"
+            held = {"If-None-Match": tags[path]} if path in tags else None
+            started = time.perf_counter()
+            try:
+                status, answer, _ = await connection.request("GET", path, held)
+            except ReadError as error:
+                out["errors"][f"read {error}"] += 1
+                continue
+            out["reads"].append(time.perf_counter() - started)
+            if status == 304:
+                out["unchanged"] += 1
+            elif status != 200:
+                out["errors"][f"read {status}"] += 1
+            elif "etag" in answer:
+                tags[path] = answer["etag"]
+        await connection.close()
 
     await asyncio.gather(*(reader() for _ in range(clients)))
 
@@ -250,26 +249,27 @@ async def _agents(
 async def _bogus(url: str, clients: int, deadline: float, out: dict[str, Any]) -> None:
     async def caller() -> None:
         rng = random.Random()
-        async with httpx.AsyncClient(base_url=url, timeout=REQUEST_TIMEOUT, verify=_TLS) as client:
-            while time.monotonic() < deadline:
-                # A well-formed unknown token (looked up by prefix), or garbage.
-                token = rng.choice(
-                    [f"aw_{secrets.token_hex(4)}_{secrets.token_urlsafe(32)}", "nope", "aw__"]
-                )
-                path = rng.choice(["/api/v1/runs", "/api/v1/runs/1/steps", INGEST_PATH])
-                method = "POST" if path == INGEST_PATH else "GET"
-                started = time.perf_counter()
-                try:
-                    answer = await client.request(
-                        method, path, headers={"Authorization": f"Bearer {token}"},
-                        content=b"{}" if method == "POST" else None,
-                    )  # fmt: skip
-                except httpx.HTTPError as error:
-                    out["errors"][f"bogus {type(error).__name__}"] += 1
-                    continue
-                out["reads"].append(time.perf_counter() - started)
-                if answer.status_code != 401:
-                    out["errors"][f"bogus {answer.status_code}"] += 1
+        connection = Connection(url, {}, REQUEST_TIMEOUT)
+        while time.monotonic() < deadline:
+            # A well-formed unknown token (looked up by prefix), or garbage.
+            token = rng.choice(
+                [f"aw_{secrets.token_hex(4)}_{secrets.token_urlsafe(32)}", "nope", "aw__"]
+            )
+            path = rng.choice(["/api/v1/runs", "/api/v1/runs/1/steps", INGEST_PATH])
+            method = "POST" if path == INGEST_PATH else "GET"
+            started = time.perf_counter()
+            try:
+                status, _, _ = await connection.request(
+                    method, path, {"Authorization": f"Bearer {token}"},
+                    b"{}" if method == "POST" else b"",
+                )  # fmt: skip
+            except ReadError as error:
+                out["errors"][f"bogus {error}"] += 1
+                continue
+            out["reads"].append(time.perf_counter() - started)
+            if status != 401:
+                out["errors"][f"bogus {status}"] += 1
+        await connection.close()
 
     await asyncio.gather(*(caller() for _ in range(clients)))
 
