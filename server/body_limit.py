@@ -10,7 +10,7 @@ damage. An unauthenticated 50 MB `POST /api/v1/runs` cost the collector +667 MiB
 (issue 26). Together with `api.deps.SessionRoute`, which resolves the caller before the
 route reads its body, an unauthenticated or oversized request is answered without its body
 being buffered. The ingest route also bounds what a gzip body inflates to
-(`api.ingest.read_body`).
+(`ingest_worker.decoded_body`).
 """
 
 from __future__ import annotations

@@ -114,13 +114,14 @@ async def http_error(_request: Request, error: Exception) -> JSONResponse:
     return JSONResponse({"detail": detail}, status_code=error.status_code, headers=error.headers)
 
 
+#: The 503 of a busy or unreachable database (`database_busy`, the ingest process's).
+DATABASE_BUSY = "the database is busy or unreachable; retry shortly"
+RETRY_AFTER = {"Retry-After": "1"}
+
+
 async def database_busy(_request: Request, _error: Exception) -> JSONResponse:
     """The app's handler for sqlalchemy's OperationalError and pool TimeoutError."""
-    return JSONResponse(
-        {"detail": "the database is busy or unreachable; retry shortly"},
-        status_code=503,
-        headers={"Retry-After": "1"},
-    )
+    return JSONResponse({"detail": DATABASE_BUSY}, status_code=503, headers=RETRY_AFTER)
 
 
 class StrictJSONRequest(Request):

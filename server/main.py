@@ -17,7 +17,7 @@ from sqlalchemy.exc import TimeoutError as PoolTimeout
 from starlette.exceptions import HTTPException
 
 from ampwatch.agent.wire import API_PREFIX, DASHBOARD_PREFIX, INGEST_PATH
-from ampwatch.server import auth, errors, heap, metrics, migrate, webhook_delivery
+from ampwatch.server import auth, errors, heap, metrics, migrate
 from ampwatch.server.admission import AdmissionLimit
 from ampwatch.server.api import (
     advisor,
@@ -35,6 +35,7 @@ from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.body_limit import BodyLimit
 from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.ingest_pool import IngestPool, yield_cpu_to_ingest
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
 
@@ -59,15 +60,18 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
         anyio.to_thread.current_default_thread_limiter().total_tokens = threads
         with sessions() as session:
             auth.check_exposure(session, settings)
-        worker = webhook_delivery.DeliveryWorker(sessions, settings).start()
-        _app.state.delivery = worker  # ingest wakes it when a batch queued a notification
-        if freeze_heap:
-            with heap.startup_heap_frozen():
+        # Batches are stored, their alerts judged and delivered, by the ingest process.
+        _app.state.ingest_pool = pool = IngestPool(settings)
+        yield_cpu_to_ingest(settings.read_niceness, await pool.started())
+        try:
+            if freeze_heap:
+                with heap.startup_heap_frozen():
+                    yield
+            else:
                 yield
-        else:
-            yield
-        worker.stop()
-        engine.dispose()
+        finally:
+            await anyio.to_thread.run_sync(pool.close)
+            engine.dispose()
 
     app = FastAPI(title="ampwatch collector", version="1", lifespan=lifespan)
     app.state.settings = settings
@@ -115,7 +119,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.add_middleware(
         AdmissionLimit,
         reads=settings.worker_threads,
-        ingests=settings.ingest_threads,
+        ingests=settings.ingest_in_flight,
         unqueued_mount=DASHBOARD_PREFIX,
     )
     return app

@@ -46,7 +46,6 @@ from ampwatch.server import run_metrics
 from ampwatch.server.exposition import escape, render_labels
 from ampwatch.server.exposition import family as _family
 from ampwatch.server.models import Run
-from ampwatch.server.schemas.wire import BatchIn
 
 #: Why an ingest request was refused, by HTTP status (`IngestCounters.record_rejection`).
 REJECTION_REASONS = {
@@ -97,14 +96,14 @@ class IngestCounters:
                 value = _SLOT.unpack_from(self._values, offset)[0] + count
                 _SLOT.pack_into(self._values, offset, value)
 
-    def record_batch(self, batch: BatchIn, *, duplicate: bool) -> None:
-        """Count an acknowledged batch; a duplicate's contents were not stored again."""
+    def record_batch(self, *, steps: int, layer_values: int, duplicate: bool) -> None:
+        """Count an acknowledged batch of `steps` and `layer_values`; a duplicate's
+        contents were not stored again."""
         if duplicate:
             self._add({_TOTALS.index("duplicates"): 1})
             return
-        values = sum(len(r.names) * len(r.stats) for r in batch.layer_stats)
-        self._add({_TOTALS.index("batches"): 1, _TOTALS.index("steps"): len(batch.steps),
-                   _TOTALS.index("layer_values"): values})  # fmt: skip
+        self._add({_TOTALS.index("batches"): 1, _TOTALS.index("steps"): steps,
+                   _TOTALS.index("layer_values"): layer_values})  # fmt: skip
 
     def record_rejection(self, status: int) -> None:
         if 400 <= status < 500:

@@ -15,7 +15,7 @@ from ampwatch.server.models import SEVERITIES, Alert, Notification, Run, Webhook
 
 Transition = Literal["firing", "resolved"]
 
-#: Set in `session.info` when `enqueue` queued a row: the ingest route then wakes the
+#: Set in `session.info` when `enqueue` queued a row: the ingest process then wakes its
 #: delivery worker (`webhook_delivery.DeliveryWorker.wake`) once the batch committed.
 QUEUED_KEY = "ampwatch.notifications_queued"
 

@@ -38,6 +38,8 @@ class Settings(BaseSettings):
 
     >>> Settings(database_url="sqlite:///:memory:", port=9000).public_url
     'http://127.0.0.1:9000'
+    >>> Settings(database_url="postgresql+psycopg://db/ampwatch").ingest_processes
+    2
     """
 
     model_config = SettingsConfigDict(env_prefix="AMPWATCH_", extra="forbid")
@@ -72,7 +74,8 @@ class Settings(BaseSettings):
         le=256,
         description="Threads per collector process that run API reads, which are admitted "
         "as many at a time (the rest wait their turn, never refused; `server/admission.py`); "
-        "ingest has ingest_threads of its own, and no read starts while a batch is worked on. anyio's default is 40. More threads only queue for the GIL: with 40 busy ones the event loop waited "
+        "ingest has ingest_threads of its own. anyio's default is 40. More threads only "
+        "queue for the GIL: with 40 busy ones the event loop waited "
         "~300 ms for its turn, so /healthz answered in 365 ms at p99 under 1,000 clients; "
         "4 instead of 8 took bench/load.py's /healthz p99 from 57-82 to 37-56 ms.",
     )
@@ -88,8 +91,34 @@ class Settings(BaseSettings):
         ge=1,
         le=256,
         description="Threads per collector process kept for ingest, besides worker_threads "
-        "(which serve reads): a batch waits only for other batches, never behind reads "
+        "(which serve reads): a batch's caller is resolved on one, never behind reads "
         "(`server/admission.py`).",
+    )
+    ingest_in_flight: int = Field(
+        default=16,
+        ge=1,
+        le=1024,
+        description="Batches per collector process taken in at once: read, and waiting for "
+        "or in an ingest process (`server/admission.py`); each one's body is in memory (at "
+        "most max_body_bytes). More wait, unread, in their connections.",
+    )
+    ingest_processes: int = Field(
+        default=0,
+        ge=0,
+        le=64,
+        description="Processes per collector process that store ingest batches "
+        "(`server/ingest_pool.py`), so that a batch never shares a GIL with reads. 0 "
+        "(default): 1 on SQLite, which has one writer at a time; 2 on PostgreSQL, where a "
+        "process spends most of a batch waiting for the server (one stored ~19 of 32 agents' "
+        "batches a second under bench/load.py, two all 32).",
+    )
+    read_niceness: int = Field(
+        default=10,
+        ge=0,
+        le=19,
+        description="How much lower than its ingest processes' the CPU priority of the "
+        "collector's process, which serves reads, runs (nice): on a busy machine batches and "
+        "their alerts come first (`ingest_pool.yield_cpu_to_ingest`); 0: the same.",
     )
     max_body_bytes: int = Field(
         default=32 * 1024 * 1024,
@@ -205,11 +234,13 @@ class Settings(BaseSettings):
         return value
 
     @model_validator(mode="after")
-    def _derive_public_url(self) -> Settings:
+    def _derive_defaults(self) -> Settings:
         if not self.public_url:
             host = "127.0.0.1" if self.host in _WILDCARD_HOSTS else self.host
             if ":" in host:  # a bare IPv6 address needs brackets in a URL
                 host = f"[{host}]"
             self.public_url = f"http://{host}:{self.port}"
         self.public_url = self.public_url.rstrip("/")
+        if not self.ingest_processes:
+            self.ingest_processes = 1 if self.database_url.startswith("sqlite") else 2
         return self

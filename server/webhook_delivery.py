@@ -1,5 +1,7 @@
-"""Alert notifications' delivery: a worker thread in each collector process
-(`DeliveryWorker`) that POSTs what the outbox (`ampwatch.server.outbox`) queued.
+"""Alert notifications' delivery: a worker thread in each ingest process (`DeliveryWorker`,
+started by `ingest_worker.start`) that POSTs what the outbox (`ampwatch.server.outbox`)
+queued: its writes take turns with the batches' there, and the batch that queued a
+notification wakes it.
 
 Delivery happens later, from the worker, so a slow or failing webhook never slows ingest.
 Each round the worker (1) runs the alert engine's periodic sweep
@@ -102,7 +104,7 @@ class _Claim:
 
 
 class DeliveryWorker:
-    """One daemon thread per collector process: each `settings.notify_interval`, or at
+    """One daemon thread per ingest process: each `settings.notify_interval`, or at
     once when woken (`wake`), it runs the alert sweep and delivers due notifications (`tick`). `stop()` waits for the
     round in progress, which is bounded by the webhook timeout.
     """

@@ -28,7 +28,7 @@ from typing import Any
 
 from pydantic import ValidationError
 from sqlalchemy import or_, select
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, sessionmaker
 
 from ampwatch.server.alerts.rule_settings import RuleSettings
 from ampwatch.server.alerts.rules import RULES
@@ -123,6 +123,15 @@ def load_file(path: str | Path) -> FileRules:
 @functools.lru_cache(maxsize=4)
 def _file_from_env(path: str) -> FileRules:
     return load_file(path) if path else FileRules()
+
+
+def with_file_rules(sessions: sessionmaker[Session], path: Path | None) -> sessionmaker[Session]:
+    """`sessions`, configured with the alerts file at `path` (parsed and validated here:
+    a bad file fails the collector's start), which `file_rules` gives their sessions: the
+    collector's own and its ingest process's."""
+    rules = load_file(path) if path is not None else FileRules()
+    sessions.configure(info={**sessions.kw.get("info", {}), FILE_RULES_KEY: rules})
+    return sessions
 
 
 def file_rules(session: Session) -> FileRules:

@@ -16,13 +16,12 @@ from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server import run_version
-from ampwatch.server.alerts import RULES, AlertConfigError, load_file, validate_overrides
+from ampwatch.server.alerts import RULES, AlertConfigError, validate_overrides
 from ampwatch.server.alerts.config import (
-    FILE_RULES_KEY,
-    FileRules,
     effective_settings,
     file_rules,
     stored_overrides,
+    with_file_rules,
 )
 from ampwatch.server.alerts.rules import RuleName
 from ampwatch.server.api.deps import (
@@ -65,10 +64,7 @@ PROJECT_ERRORS: dict[int | str, dict[str, Any]] = {
 def mount(app: FastAPI, *, prefix: str, **include: Any) -> None:
     """Include the alert routes in `app` and give its sessions the collector's alerts file
     (`settings.alerts_file`, parsed and validated here: a bad file fails startup)."""
-    path = app.state.settings.alerts_file
-    rules = load_file(path) if path is not None else FileRules()
-    sessions = app.state.sessionmaker
-    sessions.configure(info={**sessions.kw.get("info", {}), FILE_RULES_KEY: rules})
+    with_file_rules(app.state.sessionmaker, app.state.settings.alerts_file)
     app.include_router(router, prefix=prefix, **include)
 
 

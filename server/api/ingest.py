@@ -1,87 +1,30 @@
 """`POST /api/v1/ingest`: the agent's only write path.
 
-The body is read by hand rather than declared as a pydantic parameter, because agents
-send it gzip-compressed (`Content-Encoding: gzip`) and its size must be bounded both
-before and after decompression. Every problem with the body is a 4xx that says what is
-wrong: 400 bad gzip, 413 too large, 415 unknown encoding, 422 invalid batch.
+The caller is resolved first (`deps.SessionRoute`), then the body is read as sent (its size
+bounded by `body_limit.BodyLimit`) and handed to the ingest process (`ingest_pool`), which
+decodes, validates and stores it (`ingest_worker`): this process only relays, so a batch
+never shares its GIL with the reads it serves. The body is read by hand rather than
+declared as a pydantic parameter, because agents send it gzip-compressed
+(`Content-Encoding: gzip`) and its size must be bounded both before and after
+decompression. Every problem with the body is a 4xx that says what is wrong: 400 bad
+gzip, 413 too large, 415 unknown encoding, 422 invalid batch.
 """
 
 from __future__ import annotations
 
-import zlib
-from typing import Annotated, Any
+from typing import Any
 
-import orjson
-from fastapi import APIRouter, Depends, HTTPException, Request
-from pydantic import BaseModel, ValidationError
+from fastapi import APIRouter, HTTPException, Request, Response
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
 
 from ampwatch.agent.wire import API_PREFIX, INGEST_PATH
-from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionDep, SessionRoute, SettingsDep
-from ampwatch.server.auth import project_for_new_data
-from ampwatch.server.errors import validation_detail
-from ampwatch.server.ingest import ingest_batch
-from ampwatch.server.outbox import QUEUED_KEY
+from ampwatch.server import ingest_worker
+from ampwatch.server.api.deps import NOT_YOURS, PrincipalDep, SessionRoute
 from ampwatch.server.schemas.errors import ErrorPublic
 from ampwatch.server.schemas.runs import IngestAck
-from ampwatch.server.schemas.wire import BatchIn
 
 router = APIRouter(route_class=SessionRoute, tags=["ingest"])
-
-
-async def read_body(request: Request, settings: SettingsDep) -> bytes:
-    """The request body, decompressed, at most `settings.max_body_bytes` either way (as
-    sent: `body_limit.BodyLimit`, for every route)."""
-    limit = settings.max_body_bytes
-    too_large = HTTPException(
-        status_code=413, detail=f"batch larger than {limit} bytes; send smaller batches"
-    )
-    body = bytearray()
-    async for chunk in request.stream():
-        body += chunk
-    encoding = request.headers.get("content-encoding", "identity").strip().lower()
-    if encoding in ("identity", ""):
-        return bytes(body)
-    if encoding != "gzip":
-        raise HTTPException(
-            status_code=415, detail=f"Content-Encoding {encoding!r} unsupported; use gzip"
-        )
-    decompressor = zlib.decompressobj(wbits=zlib.MAX_WBITS | 16)  # gzip framing
-    try:
-        data = decompressor.decompress(bytes(body), limit + 1)
-    except zlib.error as error:
-        raise HTTPException(
-            status_code=400, detail=f"Content-Encoding is gzip but the body is not: {error}"
-        ) from None
-    if len(data) > limit:
-        raise too_large
-    if not decompressor.eof:
-        raise HTTPException(status_code=400, detail="gzip body is truncated")
-    return data
-
-
-BodyDep = Annotated[bytes, Depends(read_body)]
-
-
-def parse_json(body: bytes) -> Any:
-    """The body as Python objects, parsed as strict JSON by orjson: a bare NaN, Infinity
-    or 1e999 (a number past a double) is a 422, as on every other route, because the wire
-    has its own spelling of the non-finite floats (`wire.NON_FINITE`), which the agent
-    always writes; a batch with a bare literal is no agent's, and storing 1e999 as +Inf
-    would answer a typo with a measurement. Nesting deeper than orjson's 1,024 is a 422 too.
-    Integers beyond 64 bits (only possible in an event's free-form `data`) are read as
-    floats, as the dashboard's JavaScript reads them.
-    """
-    try:
-        return orjson.loads(body)
-    except orjson.JSONDecodeError as error:  # its message names a position, never the text
-        raise HTTPException(
-            status_code=422,
-            detail=f"Invalid JSON: {error} ({NON_FINITE_HINT})",
-        ) from None
-
-
-#: What a 422 for a bare NaN/Infinity literal says: the wire's own spelling (`wire.dumps`).
-NON_FINITE_HINT = 'strict JSON: a non-finite float is written as "NaN", "Infinity", "-Infinity"'
 
 
 class IngestError(BaseModel):
@@ -104,26 +47,20 @@ BODY_ERRORS: dict[int | str, dict[str, Any]] = {
     response_model=IngestAck,
     responses={**NOT_YOURS, **BODY_ERRORS},
 )
-def ingest(
-    body: BodyDep, session: SessionDep, principal: PrincipalDep, request: Request
-) -> IngestAck:
+async def ingest(request: Request, principal: PrincipalDep) -> Response:
     """Store one wire batch; a batch already stored is acknowledged with duplicate=true.
 
     The batch's run goes to the token's project; a batch naming another project, or a
     run of another project, is refused with 403 and nothing stored.
     """
-    parsed = parse_json(body)
-    if not isinstance(parsed, dict):
-        raise HTTPException(status_code=422, detail="Input should be an object (a wire batch)")
-    try:
-        batch = BatchIn.model_validate(parsed)
-    except ValidationError as error:
-        raise HTTPException(status_code=422, detail=validation_detail(error.errors())) from None
-    named = batch.run.project if "project" in batch.run.model_fields_set else None
-    batch.run.project = project_for_new_data(principal, named)
-    ack = ingest_batch(session, batch)
-    request.app.state.ingest_counters.record_batch(batch, duplicate=ack.duplicate)
-    delivery = getattr(request.app.state, "delivery", None)  # None: no lifespan (tests)
-    if session.info.pop(QUEUED_KEY, False) and delivery is not None:
-        delivery.wake()  # the alert leaves now, not at the worker's next round
-    return ack
+    encoding = request.headers.get("content-encoding", "")
+    call = ingest_worker.Call(principal, await request.body(), encoding)
+    outcome = await request.app.state.ingest_pool.submit(call)
+    if isinstance(outcome, ingest_worker.Refused):
+        raise HTTPException(outcome.status, outcome.detail, outcome.headers)
+    if isinstance(outcome, ingest_worker.Failed):
+        return JSONResponse({"detail": "the batch could not be stored; retry"}, status_code=500)
+    request.app.state.ingest_counters.record_batch(
+        steps=outcome.steps, layer_values=outcome.layer_values, duplicate=outcome.duplicate
+    )
+    return Response(outcome.ack, media_type="application/json")

@@ -1,6 +1,6 @@
-"""Reads yield to ingest (`server/admission.py`): driven through the ASGI middleware itself,
-with an app whose requests end only when the test says, so every ordering is decided by
-the test and none by a clock (`read_patience` is 0 or an hour)."""
+"""Two lanes (`server/admission.py`): driven through the ASGI middleware itself, with an app
+whose requests end only when the test says, so every ordering is decided by the test and
+none by a clock."""
 
 from __future__ import annotations
 
@@ -9,8 +9,6 @@ from typing import Any
 
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.server.admission import AdmissionLimit
-
-HOUR = 3600.0
 
 
 class Gated:
@@ -64,98 +62,71 @@ def _run(test: Any) -> None:
     asyncio.run(asyncio.wait_for(test(), timeout=30))
 
 
-def test_no_read_starts_while_a_batch_is_worked_on_and_running_reads_finish() -> None:
+def test_a_batch_is_admitted_while_every_read_turn_is_taken() -> None:
     async def test() -> None:
         app = Gated()
-        limit = AdmissionLimit(app, reads=4, ingests=2, unqueued_mount="", read_patience=HOUR)
-        early = asyncio.create_task(_request(limit, "early read"))
+        limit = AdmissionLimit(app, reads=2, ingests=1, unqueued_mount="")
+        reads = [asyncio.create_task(_request(limit, f"read {i}")) for i in range(3)]
         await _settle()
         body: asyncio.Queue[bytes] = asyncio.Queue()
         batch = asyncio.create_task(_request(limit, "batch", body))
         body.put_nowait(b"{}")
         body.put_nowait(b"")
         await _settle()
-        late = [asyncio.create_task(_request(limit, f"read {i}")) for i in range(3)]
-        await _settle()
-        assert app.started == ["early read", "batch"]  # 3 of 4 read turns free, none taken
-        app.end("early read")  # a read in progress is never cut short
-        await _settle()
-        assert early.done() and app.started == ["early read", "batch"]
+        assert app.started == ["read 0", "read 1", "batch"]  # read 2 waits for a read turn
         app.end("batch")
-        await _settle()
-        assert batch.done()
-        assert sorted(app.started[2:]) == ["read 0", "read 1", "read 2"]  # all 4 turns back
-        for i in range(3):
-            app.end(f"read {i}")
-        await asyncio.gather(*late)
-
-    _run(test)
-
-
-def test_a_batch_still_uploading_holds_no_read() -> None:
-    async def test() -> None:
-        app = Gated()
-        limit = AdmissionLimit(app, reads=2, ingests=2, unqueued_mount="", read_patience=HOUR)
-        body: asyncio.Queue[bytes] = asyncio.Queue()
-        batch = asyncio.create_task(_request(limit, "batch", body))
-        body.put_nowait(b"{")  # a slow agent: part of its body, then nothing for a while
-        await _settle()
-        read = asyncio.create_task(_request(limit, "read"))
-        await _settle()
-        assert app.started == ["read"]
-        body.put_nowait(b"}")
-        body.put_nowait(b"")
-        await _settle()
-        assert app.started == ["read", "batch"]
-        app.end("read")
-        app.end("batch")
-        await asyncio.gather(read, batch)
-
-    _run(test)
-
-
-def test_reads_that_waited_their_patience_run_beside_the_batches_one_at_a_time() -> None:
-    async def test() -> None:
-        app = Gated()
-        limit = AdmissionLimit(app, reads=4, ingests=2, unqueued_mount="", read_patience=0.0)
-        body: asyncio.Queue[bytes] = asyncio.Queue()
-        batch = asyncio.create_task(_request(limit, "batch", body))
-        body.put_nowait(b"")
-        await _settle()
-        overdue = [asyncio.create_task(_request(limit, f"read {i}")) for i in range(2)]
-        await _settle()
-        assert app.started == ["batch", "read 0"]  # never starved, never two beside it
         app.end("read 0")
         await _settle()
-        assert app.started == ["batch", "read 0", "read 1"]
+        assert app.started[-1] == "read 2"
         app.end("read 1")
-        app.end("batch")
-        await asyncio.gather(batch, *overdue)
-        assert limit.reads.total_tokens == 4 and limit.reads.borrowed_tokens == 0
+        app.end("read 2")
+        await asyncio.gather(batch, *reads)
 
     _run(test)
 
 
-def test_reads_resume_only_when_the_last_of_two_batches_ends() -> None:
+def test_reads_run_while_a_batch_is_worked_on() -> None:
+    """The ingest process stores the batch: nothing in this process to pause reads for."""
+
     async def test() -> None:
         app = Gated()
-        limit = AdmissionLimit(app, reads=2, ingests=2, unqueued_mount="", read_patience=HOUR)
-        bodies = [asyncio.Queue[bytes]() for _ in range(2)]
-        batches = [
-            asyncio.create_task(_request(limit, f"batch {i}", q)) for i, q in enumerate(bodies)
-        ]
-        for q in bodies:
-            q.put_nowait(b"")
+        limit = AdmissionLimit(app, reads=2, ingests=2, unqueued_mount="")
+        body: asyncio.Queue[bytes] = asyncio.Queue()
+        batch = asyncio.create_task(_request(limit, "batch", body))
+        body.put_nowait(b"")
         await _settle()
-        read = asyncio.create_task(_request(limit, "read"))
-        app.end("batch 0")
+        reads = [asyncio.create_task(_request(limit, f"read {i}")) for i in range(2)]
         await _settle()
-        assert app.started == ["batch 0", "batch 1"]
-        app.end("batch 1")
-        await _settle()
-        assert app.started[-1] == "read"
-        app.end("read")
-        await asyncio.gather(read, *batches)
+        assert app.started == ["batch", "read 0", "read 1"]
+        for name in ("batch", "read 0", "read 1"):
+            app.end(name)
+        await asyncio.gather(batch, *reads)
+
+    _run(test)
+
+
+def test_each_lane_admits_in_arrival_order() -> None:
+    async def test() -> None:
+        app = Gated()
+        limit = AdmissionLimit(app, reads=1, ingests=1, unqueued_mount="")
+        names = [f"read {i}" for i in range(3)] + [f"batch {i}" for i in range(3)]
+        tasks = []
+        for name in names:
+            body: asyncio.Queue[bytes] | None = None
+            if name.startswith("batch"):
+                body = asyncio.Queue()
+                body.put_nowait(b"")
+            tasks.append(asyncio.create_task(_request(limit, name, body)))
+            await _settle()
+        assert app.started == ["read 0", "batch 0"]  # one turn a lane
+        for i in range(1, 3):
+            app.end(f"read {i - 1}")
+            app.end(f"batch {i - 1}")
+            await _settle()
+            assert app.started[-2:] == [f"read {i}", f"batch {i}"]
+        app.end("read 2")
+        app.end("batch 2")
+        await asyncio.gather(*tasks)
 
     _run(test)
 
@@ -163,21 +134,27 @@ def test_reads_resume_only_when_the_last_of_two_batches_ends() -> None:
 def test_a_cancelled_request_gives_its_turn_back() -> None:
     async def test() -> None:
         app = Gated()
-        limit = AdmissionLimit(app, reads=1, ingests=1, unqueued_mount="", read_patience=HOUR)
+        limit = AdmissionLimit(app, reads=1, ingests=1, unqueued_mount="")
         body: asyncio.Queue[bytes] = asyncio.Queue()
         batch = asyncio.create_task(_request(limit, "batch", body))
         body.put_nowait(b"")
+        held = asyncio.create_task(_request(limit, "held"))
         await _settle()
         waiting = asyncio.create_task(_request(limit, "gone"))  # its client hangs up
         await _settle()
         waiting.cancel()
-        batch.cancel()  # mid-work: the reads' turns come back all the same
+        held.cancel()  # mid-work: its turn comes back all the same
+        batch.cancel()
         await _settle()
         read = asyncio.create_task(_request(limit, "read"))
+        second: asyncio.Queue[bytes] = asyncio.Queue()
+        second.put_nowait(b"")
+        again = asyncio.create_task(_request(limit, "batch again", second))
         await _settle()
-        assert app.started == ["batch", "read"]
+        assert app.started == ["batch", "held", "read", "batch again"]
         app.end("read")
-        await read
-        assert limit.reads.total_tokens == 1 and limit.reads.borrowed_tokens == 0
+        app.end("batch again")
+        await asyncio.gather(read, again)
+        assert all(not lane.locked() for lane in limit.lanes.values())
 
     _run(test)

@@ -17,7 +17,7 @@ import pytest
 from wire_batches import make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server.api.ingest import NON_FINITE_HINT
+from ampwatch.server.ingest_worker import NON_FINITE_HINT
 from ampwatch.server.schemas.wire import (
     MAX_BATCH_LAYER_NAMES,
     MAX_BATCH_LAYER_VALUES,

@@ -11,9 +11,12 @@ from typing import Any
 import httpx
 import pytest
 from sqlalchemy import select
+from sqlalchemy.orm import Session, sessionmaker
 from wire_batches import layer_record, make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH, STEP_FLOAT_FIELDS, decode_float
+from ampwatch.server import ingest_worker
+from ampwatch.server.auth import Principal
 from ampwatch.server.db import make_engine
 from ampwatch.server.models import Run
 
@@ -445,8 +448,19 @@ def test_malformed_body_is_4xx_with_message(
     assert data_rows(count_rows) == EMPTY
 
 
+def _handled(sessions: sessionmaker[Session], batch: Any) -> ingest_worker.Outcome:
+    """`batch` through what the ingest process runs (`ingest_worker.handle`), here, where a
+    test can make it fail."""
+    call = ingest_worker.Call(Principal(project=None), json.dumps(batch).encode(), "")
+    return ingest_worker.handle(call, sessions, limit=1 << 25)
+
+
 def test_a_failure_while_storing_rolls_the_whole_batch_back(
-    client: httpx.Client, count_rows: Counts, monkeypatch: pytest.MonkeyPatch
+    collector: Any,
+    sessions: sessionmaker[Session],
+    count_rows: Counts,
+    monkeypatch: pytest.MonkeyPatch,
+    caplog: pytest.LogCaptureFixture,
 ) -> None:
     from ampwatch.server import ingest
 
@@ -454,11 +468,15 @@ def test_a_failure_while_storing_rolls_the_whole_batch_back(
         raise RuntimeError("disk full")
 
     monkeypatch.setattr(ingest, "_apply_events", fail)
-    # uvicorn drops the connection after an unhandled error; don't let httpx reuse it.
-    assert post(client, _full_batch(), headers={"Connection": "close"}).status_code == 500
+    assert _handled(sessions, _full_batch()) == ingest_worker.Failed("RuntimeError")
+    assert "storing an ingest batch failed; it was rolled back" in caplog.text
     assert data_rows(count_rows) == EMPTY
     monkeypatch.undo()
-    assert post(client, _full_batch()).json()["duplicate"] is False  # the retry is not a dup
+    stored = _handled(sessions, _full_batch())  # the retry is not a duplicate
+    assert isinstance(stored, ingest_worker.Stored) and not stored.duplicate
+    assert (stored.steps, stored.layer_values) == (2, 2)
+    with httpx.Client(base_url=collector.url) as client:  # the collector reads it
+        assert [run["steps"] for run in client.get("/api/v1/runs").json()["runs"]] == [2]
 
 
 @pytest.mark.parametrize("path", ["", "/steps", "/layers", "/events"])
@@ -483,24 +501,29 @@ def _layer_values(client: httpx.Client, run_id: int, layer: str) -> list[Any]:
 
 
 def test_layer_names_of_a_rolled_back_batch_are_numbered_afresh(
-    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+    client: httpx.Client, sessions: sessionmaker[Session], monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Ingest remembers committed layer numbering between batches; a batch that failed
     after numbering new layers must not leave them remembered."""
     from ampwatch.server import ingest
 
     first = make_batch(0, layer_stats=[layer_record(1, ["a"], [0.1])])
-    run_id = post(client, first).json()["run_id"]
+    run_id = json.loads(_stored(_handled(sessions, first)).ack)["run_id"]
     monkeypatch.setattr(ingest, "_apply_events", lambda *_args: 1 / 0)
     failing = make_batch(1, layer_stats=[layer_record(2, ["a", "b", "c"], [0.2, 0.3, 0.4])])
-    assert post(client, failing, headers={"Connection": "close"}).status_code == 500
+    assert _handled(sessions, failing) == ingest_worker.Failed("ZeroDivisionError")
     monkeypatch.undo()
     third = make_batch(2, layer_stats=[layer_record(3, ["c", "a"], [0.5, 0.6])])
-    assert post(client, third).json()["duplicate"] is False
+    assert not _stored(_handled(sessions, third)).duplicate
     assert _layer_values(client, run_id, "c") == [None, 0.5]  # no c at step 1
     assert _layer_values(client, run_id, "a") == [0.1, 0.6]
     layers = client.get(f"/api/v1/runs/{run_id}/layers", params={"stat": "zero_fraction"})
     assert layers.json()["layers"] == ["a", "c"]
+
+
+def _stored(outcome: ingest_worker.Outcome) -> ingest_worker.Stored:
+    assert isinstance(outcome, ingest_worker.Stored), outcome
+    return outcome
 
 
 def test_a_new_run_reusing_a_deleted_runs_id_gets_its_own_layers(client: httpx.Client) -> None:
