@@ -24,7 +24,9 @@ resolution is notified, for the lead, when the last of them resolves. The groups
 the run's step state (`groups`: rule -> {lead alert id, layers}).
 
 `finish` writes those messages, flushes, enqueues notifications
-(`ampwatch.server.outbox.enqueue`) and keeps `Run.health`.
+(`ampwatch.server.outbox.enqueue`), keeps `Run.health`, and counts a change of the run
+(`run_version.bump`) whenever it wrote any of its alerts: the run's alerts page is tagged
+and kept by that counter (`api.conditional`), and the sweep writes outside any ingest.
 """
 
 from __future__ import annotations
@@ -119,7 +121,7 @@ class Tracker:
             (a.rule, a.layer): a for a in open_alerts(session, run.id)
         }
         self._details: dict[Key, Detail] = {}
-        self._changed: set[Key] = set()  # transitioned in this batch: written
+        self._changed: set[Key] = set()  # written in this batch (made, moved, rewritten)
         self._leads: dict[str, Alert] = {}  # leads that fired in this batch (no id yet)
         self._joined: list[tuple[str, Alert]] = []
         self._bulk: list[dict[str, Any]] = []  # resolutions of OpenRows, not yet written
@@ -237,6 +239,7 @@ class Tracker:
             self._drop(key, alert)
             return
         resolved_step = max(step, alert.fired_step or step)
+        self._changed.add(key)
         if isinstance(alert, OpenRow):  # written with the batch's other resolutions
             change: dict[str, Any] = {
                 "id": alert.id,
@@ -323,6 +326,7 @@ class Tracker:
         for key in list(self.open):
             if key in self._details and (key in self._changed or not self._group_of(key[0])):
                 self._apply_detail(key, self._orm(key))
+                self._changed.add(key)
         self._details.clear()
         self._write_bulk()
         stale = [k for k in self.clear_since if tuple(k.split("|", 1)) not in self.open]
@@ -349,9 +353,11 @@ class Tracker:
         for alert, transition in self._notify:
             outbox.enqueue(self.session, alert, transition)
         health = health_of(self.open.values())
-        if self.run.health != health:
+        moved = self.run.health != health
+        if moved:
             self.run.health = health  # type: ignore[assignment]
-            run_version.bump(self.run)  # the sweep changes it outside any ingest
+        if moved or self._changed:
+            run_version.bump(self.run)  # the sweep changes them outside any ingest
 
     def _apply_detail(self, key: Key, alert: Alert) -> None:
         detail = self._details.pop(key, None)
@@ -391,6 +397,7 @@ class Tracker:
 
     def _drop(self, key: Key, alert: Alert | OpenRow) -> None:
         del self.open[key]
+        self._changed.add(key)
         self._details.pop(key, None)
         if isinstance(alert, OpenRow):
             self.session.execute(delete(Alert).where(Alert.id == alert.id))

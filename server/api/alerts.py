@@ -29,6 +29,7 @@ from ampwatch.server.api.deps import (
     RUN_ERRORS,
     PrincipalDep,
     RunIdDep,
+    RunReadDep,
     SessionDep,
     SessionRoute,
 )
@@ -72,8 +73,9 @@ def _seconds(moment: datetime | None) -> float | None:
     return moment.timestamp() if moment is not None else None
 
 
-def _public(alert: Alert) -> AlertPublic:
-    return AlertPublic.model_validate(alert)
+#: The columns an alert's answer reads (`AlertPublic`'s fields), selected as rows: ORM
+#: objects validated by attribute cost ~60 us an alert, a page of 100 ~6 ms.
+_COLUMNS = [getattr(Alert, name) for name in AlertPublic.model_fields]
 
 
 def _page(
@@ -89,7 +91,7 @@ def _page(
     SQLite and 32 ms on PostgreSQL, whose planner walked either way; 0.3 ms sorted).
     """
     count = select(func.count()).select_from(Alert).where(*conditions)
-    query = select(Alert).where(*conditions)
+    query = select(*_COLUMNS).where(*conditions)
     newest_first = Alert.id.desc()
     if project is not None:
         count = count.join(Run, Run.id == Alert.run_id).where(Run.project == project)
@@ -100,9 +102,10 @@ def _page(
             newest_first = (Alert.id + 0).desc()  # not the primary key's order: no walk
         else:
             query = query.where(exists().where(Run.id == Alert.run_id, Run.project == project))
-    alerts = session.scalars(query.order_by(newest_first).limit(limit).offset(offset))
-    return AlertsPublic(
-        alerts=[_public(a) for a in alerts], total=total, limit=limit, offset=offset
+    rows = session.execute(query.order_by(newest_first).limit(limit).offset(offset))
+    alerts = [row._asdict() for row in rows]
+    return AlertsPublic.model_validate(
+        {"alerts": alerts, "total": total, "limit": limit, "offset": offset}
     )
 
 
@@ -130,7 +133,7 @@ def _filters(status: str | None, severity: str | None, rule: str | None) -> list
 
 @router.get("/runs/{run_id}/alerts", responses=RUN_ERRORS)
 def run_alerts(
-    run_id: RunIdDep,
+    run_id: RunReadDep,
     session: SessionDep,
     status: StatusQuery = None,
     rule: RuleQuery = None,
@@ -138,7 +141,8 @@ def run_alerts(
     limit: LimitQuery = DEFAULT_PAGE,
     offset: OffsetQuery = 0,
 ) -> AlertsPublic:
-    """The run's alerts, newest first, optionally filtered."""
+    """The run's alerts, newest first, optionally filtered. Tagged by the run's change
+    counter, which every write of its alerts bumps (`alerts.lifecycle.Tracker.finish`)."""
     conditions = [Alert.run_id == run_id, *_filters(status, severity, rule)]
     return _page(session, conditions, limit, offset)
 

@@ -184,6 +184,29 @@ def test_a_process_resumed_from_an_earlier_checkpoint_is_evaluated_again(feed: F
     assert feed.state()["calibrating"] is False
 
 
+def test_every_write_of_a_runs_alerts_by_the_sweep_counts_a_change_of_the_run(
+    feed: Feed,
+) -> None:
+    """The run's alerts page is tagged by `Run.version`: a sweep that writes an alert bumps
+    it even when the run's health stays (here: critical, from a NaN loss), and a sweep that
+    writes nothing does not."""
+    steps = healthy(1, 50)
+    steps[-1] = step_record(50, loss=math.nan, loss_scale=4096.0)
+    feed.send(steps)
+    assert feed.rules() == {("nan_loss", "")} and feed.run().health == "critical"
+    seen, version = feed.now, feed.run().version
+    with feed.sessions() as session:
+        assert sweep(session, seen + timedelta(seconds=599)) == 0
+    assert feed.run().version == version  # nothing written
+    with feed.sessions() as session:
+        assert sweep(session, seen + timedelta(seconds=601)) == 1
+    assert feed.rules() == {("nan_loss", ""), ("no_data", "")}
+    assert feed.run().health == "critical" and feed.run().version == version + 1
+    with feed.sessions() as session:
+        assert sweep(session, seen + timedelta(seconds=700)) == 0
+    assert feed.run().version == version + 1
+
+
 def test_concurrent_sweeps_fire_one_alert(feed: Feed) -> None:
     import threading
 
