@@ -9,7 +9,8 @@ already (`api.deps.existing_run_id`), so an unchanged answer is a 304 without it
 several workers, and any of them may have stored the batch.
 
 Who bumps: ingest (rows, rollups, events, dropped counts, run_start state), the alert
-engine when the run's health changes (ingest or the sweep), a run's end and resume,
+engine when it writes any of the run's alerts or its health (ingest or the sweep), a run's
+end and resume,
 threshold overrides of the run or its project (the step series carries the rule lines),
 and layer aging (`layer_rollups.age_layer_stats`).
 """

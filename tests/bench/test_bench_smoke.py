@@ -12,7 +12,9 @@ import pytest
 BENCH = Path(__file__).resolve().parents[2] / "bench"
 
 
-@pytest.mark.parametrize("script", ["ingest.py", "query.py", "metrics.py", "load.py"])
+@pytest.mark.parametrize(
+    "script", ["ingest.py", "query.py", "metrics.py", "load.py", "read_cost.py"]
+)
 def test_bench_quick_runs_and_reports(script: str) -> None:
     done = subprocess.run(
         [sys.executable, str(BENCH / script), "--quick", "--backend", "sqlite"],
@@ -29,6 +31,8 @@ def test_bench_quick_runs_and_reports(script: str) -> None:
         phases = [line for line in done.stdout.splitlines() if "| errors " in line]
         assert len(phases) == 2 and "bogus tokens" in phases[1], done.stdout
         assert all("| errors 0 " in line for line in phases), done.stdout
+    elif script == "read_cost.py":  # every route answered (a non-200 is an AssertionError)
+        assert done.returncode == 0 and done.stdout.count(" cpu ") == 8, done.stdout
     else:
         assert "heatmap" in done.stdout, done.stdout
 
