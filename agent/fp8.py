@@ -35,12 +35,12 @@ from ampwatch.agent.fp8_counts import (
 
 #: One sample every 500 steps. `bench/fp8_overhead.py` (CPU, one torch thread, 2 cores
 #: shared, load average < 1) measured a step that samples against one that does not, with
-#: a shape's tensors measured in one call: 1.04x / 0.99x / 1.03x on the training loop's
+#: a shape's tensors measured in one call: 1.02x / 1.02x / 1.08x on the training loop's
 #: wall clock for its 5x 200x333-Linear model / 0.1M / 3M models (the statistics of CPU
-#: tensors run on the sender thread), and 2.29x / 1.25x / 1.41x in the process's CPU time,
-#: all threads (one call per tensor: 2.74x / 1.40x / 1.44x). 1 in 500 averages <= 0.3% CPU
-#: per step on all three (the bar is 1%; 1 in 200 would be ~0.65% on the first). FP8
-#: readiness drifts over thousands of steps, not hundreds.
+#: tensors run on the sender thread), and 2.23x / 1.28x / 1.52x in the process's CPU time,
+#: all threads (one call per tensor, before: 2.74x / 1.40x / 1.44x). 1 in 500 averages
+#: <= 0.3% CPU per step on all three (the bar is 1%; 1 in 200 would be ~0.6% on the
+#: first). FP8 readiness drifts over thousands of steps, not hundreds.
 DEFAULT_EVERY = 500
 
 #: The most bytes of CPU tensors one sample copies for the sender thread to measure (the

@@ -33,8 +33,8 @@ combinations (group maxima once, then the eight scaled copies a slice of rows at
 reused buffers), the rounding done in float32 arithmetic equal to the casts
 (`_round_into`; torch's E4M3 -> float32 decode alone took ~10x as long on a CPU), the
 saturate count proven 0 rather than counted (`SATURATE_ABOVE`). `bench/fp8_overhead.py`
-measured it (one torch thread): ~19 ns a value for six 200x333 tensors in one call,
-against ~28 alone; see `ampwatch.agent.fp8.DEFAULT_EVERY`.
+measured it (one torch thread): ~17 ns a value for six 200x333 tensors in one call,
+against ~20-27 alone; see `ampwatch.agent.fp8.DEFAULT_EVERY`.
 """
 
 from __future__ import annotations
@@ -66,9 +66,11 @@ _EXPONENT_BITS = 0x7F800000  # a float32's exponent field
 assert wire.FP8_SCALINGS[-1] == "mx", "group_scales puts the MX scales last"
 _MX = len(wire.FP8_SCALINGS) - 1
 #: Rows per slice of the eight-combination work: ~this many values of the batch (x 8
-#: combinations x 3 float32 buffers = 12 MiB), so a large activation's work memory is
-#: bounded.
-_CHUNK_VALUES = 1 << 17
+#: combinations x 3 float32 buffers = 6 MiB), so a large activation's work memory is
+#: bounded. Each of a slice's ~10 passes reads and writes its buffers: at 2^17 values
+#: (12 MiB) the linear5 model's sample (`bench/fp8_overhead.py`) took 16.3 ms of CPU, at
+#: 2^16 14.0, at 2^15 15.6 (more launches), interleaved, one torch thread.
+_CHUNK_VALUES = 1 << 16
 #: The most values (of same-shape tensors) one set of launches measures: the magnitudes
 #: buffer, 16 MiB of float32, or one tensor's if larger.
 _BATCH_VALUES = 1 << 22

@@ -21,6 +21,10 @@ threads, the sender's included), and the average overhead at the default interva
 (sampled - plain) / (M x plain). Isolated: `quantisation_counts` per tensor size, one
 tensor a call and six in one call.
 
+Measured here (2 cores, one torch thread): wall 1.02x / 1.02x / 1.08x for linear5 / 0.1M /
+3M, CPU 2.23x / 1.28x / 1.52x, average at M = 500 <= 0.25%: linear5's CPU misses the 2x bar
+(its sample is ~16 ms of `quantisation_counts` on the sender thread against a 12.8 ms step).
+
     nice python bench/fp8_overhead.py                # ~2 minutes on 2 loaded cores
     python bench/fp8_overhead.py --quick             # smoke run
     python bench/fp8_overhead.py --device cuda
