@@ -105,6 +105,18 @@ def make_sessionmaker(engine: Engine) -> sessionmaker[Session]:
     return sessionmaker(engine, expire_on_commit=False)
 
 
+def lookup_sessions(engine: Engine) -> sessionmaker[Session]:
+    """Sessions for lookups whose statements need no common snapshot and write nothing
+    (who is calling, `api.deps.resolve_caller`): on PostgreSQL in autocommit, without the
+    BEGIN and ROLLBACK round trips around them (a lookup of two statements: 735 -> 630 us
+    of this process's CPU, 1145 -> 853 us wall, interleaved, besides the server's own
+    work). SQLite's are plain sessions: there a statement outside a transaction takes and
+    drops its read lock itself, and the lookup cost more (269 -> 330 us)."""
+    if engine.dialect.name == "sqlite":
+        return make_sessionmaker(engine)
+    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+
+
 def begin_write(session: Session) -> None:
     """Start `session`'s transaction as a writer; call before its first statement.
 

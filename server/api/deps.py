@@ -133,13 +133,14 @@ def resolve_caller(request: Request) -> Principal:
     """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`;
     403 when the token's scope does not cover the route: `auth.required_access`).
 
-    Uses a session of its own, closed before the endpoint runs, so that an endpoint that
-    writes starts its transaction fresh (SQLite: as a writer, `db.begin_write`).
+    Uses a session of its own (`db.lookup_sessions`: reads only; autocommit on PostgreSQL), closed
+    before the endpoint runs, so that an endpoint that writes starts its transaction fresh
+    (SQLite: as a writer, `db.begin_write`).
     """
     settings = cast(Settings, request.app.state.settings)
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
     access = required_access(request.method, declared)
-    with request.app.state.sessionmaker() as session:
+    with request.app.state.lookup_sessions() as session:
         peer = request.client.host if request.client else None
         authorization = request.headers.get("authorization")
         principal = resolve_principal(session, settings, authorization, access=access, peer=peer)
@@ -178,7 +179,7 @@ def _run_row(session: Session, run_id: int) -> Row[str, datetime, int] | None:
 
 
 def _own_run_row(request: Request, run_id: int) -> Row[str, datetime, int] | None:
-    with request.app.state.sessionmaker() as session:
+    with request.app.state.lookup_sessions() as session:
         return _run_row(session, run_id)
 
 

@@ -17,7 +17,7 @@ from wire_batches import layer_record, make_batch, step_record
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.dashboard.client import CollectorClient, CollectorError
 from ampwatch.server import auth, cli
-from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.db import lookup_sessions, make_engine, make_sessionmaker
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Base, Token
@@ -402,3 +402,26 @@ def test_migration_to_projects_keeps_every_run_and_its_data(db_url: str) -> None
 def test_a_short_admin_token_is_refused() -> None:
     with pytest.raises(ValueError, match="at least 16"):
         Settings(admin_token="hunter2")
+
+
+def test_the_callers_lookup_runs_outside_a_transaction_on_postgresql(db_url: str) -> None:
+    """`db.lookup_sessions`: on PostgreSQL each statement of the caller's lookup is its own
+    (no BEGIN / ROLLBACK round trips), so two statements see two clocks; on SQLite the
+    lookup is a plain transaction (a statement outside one costs more there)."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    try:
+        with lookup_sessions(engine)() as session:
+            if engine.dialect.name == "sqlite":
+                assert session.connection().get_isolation_level() == "SERIALIZABLE"
+                return
+            first = session.execute(text("SELECT now()")).scalar()
+            session.execute(text("SELECT pg_sleep(0.01)"))
+            second = session.execute(text("SELECT now()")).scalar()
+            assert first is not None and second is not None and second > first
+        with make_sessionmaker(engine)() as session:  # a plain session: one transaction
+            first = session.execute(text("SELECT now()")).scalar()
+            session.execute(text("SELECT pg_sleep(0.01)"))
+            assert session.execute(text("SELECT now()")).scalar() == first
+    finally:
+        engine.dispose()
