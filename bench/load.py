@@ -27,10 +27,17 @@ collector's process, it shared one GIL with the reads: either reads paused for b
 (batches on time, reads ~50-70/s, p99 ~25 s) or batches waited for reads (5.6 of 32
 batches/s). Now batches are stored by an ingest process (`server/ingest_pool.py`), and
 the reads' process runs at a lower CPU priority: on SQLite, 32.0 batches/s stored (p50
-91 ms, p99 1.6 s), alert p99 2.1 s, reads 206/s (p99 8.4 s). What is left is the machine:
-the reads' process takes one core, at ~4-5 ms of CPU a read (an alerts page ~8 ms, the
-runs list ~5 ms, a run's unchanged answer ~1.4 ms), and p99 < 2 s under 1,000 closed-loop
-readers needs >= 500 reads/s (Little's law).
+91 ms, p99 1.6 s), alert p99 2.1 s, reads 206/s (p99 8.4 s). With a run's alerts page kept
+by its change counter too (`api.conditional`), on a quiet machine: SQLite 32.9 batches/s
+(p99 0.4-1.2 s), alert p99 1.2-1.3 s, reads 256-286/s (p99 4.6-5.5 s), /healthz p99
+27-36 ms; PostgreSQL, two workers: 30.8 batches/s (p99 2.2 s), alert p99 1.9 s, reads
+64/s, /healthz p99 145 ms; one worker (`--workers 1`): 30.2 batches/s (p99 1.6 s), alert
+p99 2.3 s, reads 84/s, /healthz p99 55 ms. What is left is the machine: on SQLite the
+reads' process takes one core, at ~2.7 ms of CPU a read on average (`bench/read_cost.py`:
+the alerts across runs ~6.5-9 ms, the runs list ~3-4.5 ms, a kept run answer ~1-1.8 ms);
+on PostgreSQL the server's own processes share the two cores, and a kept answer costs the
+collector ~1.7 ms; p99 < 2 s under 1,000 closed-loop readers needs >= 500 reads/s
+(Little's law: mean latency = readers / throughput).
 
 The clients run in two processes beside the collector and `/healthz` is probed from a
 third (so its latency is the collector's, not a busy client's event loop): on a 2-core
