@@ -84,13 +84,15 @@ def test_reads_yield_the_cpu_to_the_ingest_process(collector: BackgroundCollecto
     assert loop.native_id is not None
     (process,) = ingest_processes()
     ingest = os.getpriority(os.PRIO_PROCESS, process)
-    assert ingest <= 9, "the test needs an ingest process that can be run below"
+    if ingest > 9:  # the suite itself runs under `nice`: no room below to check
+        pytest.skip(f"the ingest process runs at nice {ingest}: nothing below it to check")
     assert os.getpriority(os.PRIO_PROCESS, loop.native_id) == ingest + 10
 
 
 def test_a_thread_is_lowered_below_the_ingest_process_once() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
-    assert base <= 14, "the test needs a thread that can be lowered by 5"
+    if base > 14:  # the suite itself runs under `nice`
+        pytest.skip(f"this thread runs at nice {base}: it cannot be lowered by 5 to check")
     seen: list[int] = []
 
     def look() -> None:
