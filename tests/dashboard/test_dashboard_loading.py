@@ -5,6 +5,7 @@ router callback."""
 from __future__ import annotations
 
 import base64
+import gzip
 import hashlib
 import io
 import tarfile
@@ -127,6 +128,24 @@ def test_the_app_serves_the_fetched_bundle_and_loads_it_once_dash_has_started(
     # is then out: the bundle loads while the server draws the page.
     assert index.index("<script>ampwatchLoadPlotly()</script>") > index.index("new DashRenderer")
     assert bundle == (SCRIPT, "text/javascript", 31_536_000)  # the name carries the version
+
+
+def test_the_bundle_is_sent_gzipped_once_compressed_to_a_browser_that_accepts_it(
+    monkeypatch: pytest.MonkeyPatch, tmp_path: Path
+) -> None:
+    script = SCRIPT * 200
+    plotly_bundle.bundle_path(tmp_path).write_bytes(script)
+    monkeypatch.setenv("AMPWATCH_ASSETS_DIR", str(tmp_path))
+    app = create_dash_app("http://collector.test", requests_pathname_prefix="/dashboard/")
+    client = app.server.test_client()
+    zipped = client.get(f"/{BUNDLE_ROUTE}", headers={"Accept-Encoding": "gzip, br"})
+    assert zipped.headers["Content-Encoding"] == "gzip"
+    assert zipped.headers["Vary"] == "Accept-Encoding"
+    assert len(zipped.get_data()) < len(script) / 10
+    assert gzip.decompress(zipped.get_data()) == script
+    plain = client.get(f"/{BUNDLE_ROUTE}")
+    assert "Content-Encoding" not in plain.headers
+    assert plain.get_data() == script
 
 
 def test_without_the_bundle_the_app_loads_plotly_full_bundle(
