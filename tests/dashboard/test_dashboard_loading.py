@@ -128,6 +128,8 @@ def test_the_app_serves_the_fetched_bundle_and_loads_it_once_dash_has_started(
     # is then out: the bundle loads while the server draws the page.
     assert index.index("<script>ampwatchLoadPlotly()</script>") > index.index("new DashRenderer")
     assert bundle == (SCRIPT, "text/javascript", 31_536_000)  # the name carries the version
+    assert "/dash/dcc/dash_core_components" in index
+    assert "/dash_table/bundle" not in index  # no page draws a DataTable: not loaded
 
 
 def test_the_bundle_is_sent_gzipped_once_compressed_to_a_browser_that_accepts_it(
