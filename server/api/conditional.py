@@ -1,10 +1,10 @@
 """Conditional reads: the run answers the dashboard polls carry an ETag, and a caller that
 sends it back (`If-None-Match`) while nothing changed gets a 304 with no body.
 
-A run's answers (`deps.RunReadDep`: the run, its steps, layers, events, checkpoints, alerts) are tagged
-with the run's change counter (`ampwatch.server.run_version`), read by the existence check
-every run route makes already (`deps.existing_run_id`): an unchanged poll costs no query
-of its own. The tag also names the run's creation time (SQLite may reuse a deleted run's
+A run's answers (`deps.RunReadDep`: the run, its steps, layers, events, checkpoints,
+alerts) are tagged with the run's change counter (`ampwatch.server.run_version`), read by
+the existence check every run route makes already (`deps.existing_run_id`): an unchanged
+poll costs no query of its own. The tag also names the run's creation time (SQLite may reuse a deleted run's
 id) and `answer_tag`: the package version, the schema and the alerts file, which shape the
 answers without bumping any run. Routes whose answers change without a bump (the advisor,
 which reads the clock) are not tagged; the alerts across runs answer from many runs.
