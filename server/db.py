@@ -112,9 +112,9 @@ def lookup_sessions(engine: Engine) -> sessionmaker[Session]:
     of this process's CPU, 1145 -> 853 us wall, interleaved, besides the server's own
     work). SQLite's are plain sessions: there a statement outside a transaction takes and
     drops its read lock itself, and the lookup cost more (269 -> 330 us)."""
-    if engine.dialect.name == "sqlite":
-        return make_sessionmaker(engine)
-    return sessionmaker(engine.execution_options(isolation_level="AUTOCOMMIT"))
+    if engine.dialect.name != "sqlite":
+        engine = engine.execution_options(isolation_level="AUTOCOMMIT")
+    return make_sessionmaker(engine)
 
 
 def begin_write(session: Session) -> None:

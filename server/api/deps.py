@@ -133,9 +133,9 @@ def resolve_caller(request: Request) -> Principal:
     """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`;
     403 when the token's scope does not cover the route: `auth.required_access`).
 
-    Uses a session of its own (`db.lookup_sessions`: reads only; autocommit on PostgreSQL), closed
-    before the endpoint runs, so that an endpoint that writes starts its transaction fresh
-    (SQLite: as a writer, `db.begin_write`).
+    Uses a session of its own (`db.lookup_sessions`: reads only; autocommit on
+    PostgreSQL), closed before the endpoint runs, so that an endpoint that writes starts
+    its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
     settings = cast(Settings, request.app.state.settings)
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
