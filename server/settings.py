@@ -188,8 +188,8 @@ class Settings(BaseSettings):
     notify_interval: float = Field(
         default=1.0,
         gt=0,
-        description="Seconds between rounds of the notification worker (the alert sweep, "
-        "then delivery of due webhook notifications).",
+        description="Seconds between the notification worker's alert sweeps, and between "
+        "its rounds of webhook delivery when no batch wakes it sooner.",
     )
     webhook_timeout: float = Field(
         default=5.0,

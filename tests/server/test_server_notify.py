@@ -460,6 +460,46 @@ def test_worker_runs_the_alert_sweep_and_survives_its_failures(
         engine.dispose()
 
 
+def test_wakes_deliver_at_once_and_the_sweep_keeps_its_interval(sqlite_url: str) -> None:
+    """Batches that queue notifications wake the worker many times a second: each wake is
+    a delivery round, but the sweep (no_data: it judges time, which a wake does not move)
+    runs once per `notify_interval` of the worker's clock, driven here by hand."""
+    import queue
+
+    upgrade(sqlite_url)
+    engine = make_engine(sqlite_url)
+    clock = [1000.0]
+    swept: list[Any] = []
+    rounds: queue.Queue[bool] = queue.Queue()
+
+    class Observed(DeliveryWorker):
+        def tick(self, now: Any = None, *, sweep: bool = True) -> int:
+            tried = super().tick(now, sweep=sweep)
+            rounds.put(sweep)
+            return tried
+
+    settings = Settings(database_url=sqlite_url, notify_interval=3600.0)
+    worker = Observed(make_sessionmaker(engine), settings,
+                      sweep=lambda session, now: swept.append(now), clock=lambda: clock[0])  # fmt: skip
+    worker.start()
+    try:
+        def wake() -> bool:
+            worker.wake()
+            return rounds.get(timeout=30)
+
+        assert wake() is True  # the first round sweeps
+        assert [wake() for _ in range(5)] == [False] * 5  # the clock has not moved
+        clock[0] += 3599.0
+        assert wake() is False
+        clock[0] += 1.0  # an interval since the first sweep
+        assert wake() is True
+        assert wake() is False
+        assert len(swept) == 2
+    finally:
+        worker.stop()
+        engine.dispose()
+
+
 def test_one_alerts_transitions_arrive_in_order(
     fast_collector: Any, api: httpx.Client, receiver: WebhookReceiver
 ) -> None:
