@@ -1,4 +1,5 @@
-"""What both benches share: a collector in a subprocess, a throwaway PostgreSQL database."""
+"""What the benches share: a collector in a subprocess, a throwaway PostgreSQL database,
+and the CPU its processes use (Linux /proc)."""
 
 from __future__ import annotations
 
@@ -7,6 +8,7 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
 
 import httpx
 
@@ -77,3 +79,48 @@ def drop_postgres_database(database_url: str) -> None:
         admin.execute(
             sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name))
         )
+
+
+def process_cpu_seconds(pid: int) -> float:
+    """User + system CPU time of process `pid` (all its threads); 0 once it is gone."""
+    try:
+        text = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = text.rsplit(")", 1)[1].split()
+    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+
+
+def collector_cpu_seconds(root: int) -> dict[str, float]:
+    """CPU seconds used so far by the collector started as process `root`, split into its
+    ingest processes (`server/ingest_pool.py`: the children of a multiprocessing
+    forkserver) and the processes that serve requests (the rest: the server, or uvicorn's
+    supervisor and workers). A process that already ended is not counted."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
+        except (OSError, ValueError, IndexError):
+            continue
+    def forkserver(pid: int) -> bool:
+        try:
+            return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()
+        except OSError:
+            return False
+
+    used = {"serving": 0.0, "ingest": 0.0}
+    for pid in parents:
+        chain, ingest = pid, False
+        while chain not in (root, 0, 1) and chain in parents:
+            ingest = ingest or forkserver(chain)
+            chain = parents[chain]
+        if chain == root:
+            used["ingest" if ingest else "serving"] += process_cpu_seconds(pid)
+    return used
+
+
+def machine_idle_seconds() -> tuple[float, float]:
+    """(idle, total) CPU seconds of the whole machine since boot (/proc/stat's cpu line)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+    hz = os.sysconf("SC_CLK_TCK")
+    return (ticks[3] + ticks[4]) / hz, sum(ticks[:8]) / hz

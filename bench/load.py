@@ -66,7 +66,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "reliability"))  # wire_batch, as bench/soak.py
 
 import httpx
-from collector import drop_postgres_database, postgres_database, start_server
+from collector import (
+    collector_cpu_seconds,
+    drop_postgres_database,
+    machine_idle_seconds,
+    postgres_database,
+    start_server,
+)
 from raw_http import Connection, ReadError
 
 from ampwatch.agent.wire import INGEST_PATH
@@ -390,6 +396,21 @@ def report(name: str, result: dict[str, Any], seconds: float) -> bool:
     return ok
 
 
+def print_cpu(result: dict[str, Any], used: dict[str, float], idle: float) -> None:
+    """Where the collector's CPU went during the load (`collector.collector_cpu_seconds`):
+    per read in the serving processes (ingest's HTTP side included), per batch in the
+    ingest processes (the notification worker's deliveries and sweeps included), and the
+    machine's idle share: what explains a run's figures on a shared machine."""
+    reads, batches = len(result["reads"]), len(result["ingest"])
+    print(
+        f"{'':<28} collector CPU: serving {used['serving']:5.1f} s"
+        f" ({1e3 * used['serving'] / max(reads, 1):4.2f} ms a read), ingest"
+        f" {used['ingest']:5.1f} s ({1e3 * used['ingest'] / max(batches, 1):4.1f} ms a batch)"
+        f" | machine idle {idle:.0%}",
+        flush=True,
+    )
+
+
 def run_backend(backend: str, args: argparse.Namespace) -> bool:
     from ampwatch.server import auth
     from ampwatch.server.db import make_engine, make_sessionmaker
@@ -419,11 +440,16 @@ def run_backend(backend: str, args: argparse.Namespace) -> bool:
                 hook.raise_for_status()
                 run_ids = seed(url, token, args.agents, secrets.token_hex(3))
                 label = f"{backend} ({workers} worker{'s' * (workers > 1)})"
+                cpu_before, idle_before = collector_cpu_seconds(process.pid), machine_idle_seconds()
                 load = phase(url, seconds=args.seconds, clients=args.clients, agents=args.agents,
                              token=token, run_ids=run_ids, bogus=False)  # fmt: skip
+                cpu = collector_cpu_seconds(process.pid)
+                idle = machine_idle_seconds()
                 load["alerts"] = alert_latencies(receiver, load["nan_steps"], load["errors"])
                 ok = report(f"{label}: {args.clients} readers + {args.agents} agents", load,
                             args.seconds)  # fmt: skip
+                print_cpu(load, {k: cpu[k] - cpu_before[k] for k in cpu},
+                          (idle[0] - idle_before[0]) / (idle[1] - idle_before[1]))  # fmt: skip
                 if not args.no_bogus:
                     bogus = phase(url, seconds=args.seconds, clients=args.clients, agents=0,
                                   token=token, run_ids=[], bogus=True)  # fmt: skip

@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import os
 import random
 import statistics
 import sys
@@ -35,7 +34,12 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests" / "reliability"))  # wire_batch, as bench/load.py
 
 import httpx
-from collector import drop_postgres_database, postgres_database, start_server
+from collector import (
+    drop_postgres_database,
+    postgres_database,
+    process_cpu_seconds,
+    start_server,
+)
 from raw_http import Connection
 
 from ampwatch.agent.wire import INGEST_PATH
@@ -49,12 +53,6 @@ NAN_EVERY = 4  # as bench/load.py
 STEPS_PER_BATCH = 50
 LAYERS = 64
 ROUNDS = 10
-
-
-def process_cpu_seconds(pid: int) -> float:
-    """User + system CPU time of process `pid` (all its threads)."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
 def seed(url: str, token: str) -> list[int]:
