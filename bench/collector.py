@@ -102,6 +102,7 @@ def collector_cpu_seconds(root: int) -> dict[str, float]:
             parents[int(stat.parent.name)] = int(stat.read_text().rsplit(")", 1)[1].split()[1])
         except (OSError, ValueError, IndexError):
             continue
+
     def forkserver(pid: int) -> bool:
         try:
             return b"multiprocessing.forkserver" in Path(f"/proc/{pid}/cmdline").read_bytes()

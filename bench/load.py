@@ -32,12 +32,19 @@ by its change counter too (`api.conditional`), on a quiet machine: SQLite 32.9 b
 (p99 0.4-1.2 s), alert p99 1.2-1.3 s, reads 256-286/s (p99 4.6-5.5 s), /healthz p99
 27-36 ms; PostgreSQL, two workers: 30.8 batches/s (p99 2.2 s), alert p99 1.9 s, reads
 64/s, /healthz p99 145 ms; one worker (`--workers 1`): 30.2 batches/s (p99 1.6 s), alert
-p99 2.3 s, reads 84/s, /healthz p99 55 ms. What is left is the machine: on SQLite the
-reads' process takes one core, at ~2.7 ms of CPU a read on average (`bench/read_cost.py`:
-the alerts across runs ~6.5-9 ms, the runs list ~3-4.5 ms, a kept run answer ~1-1.8 ms);
-on PostgreSQL the server's own processes share the two cores, and a kept answer costs the
-collector ~1.7 ms; p99 < 2 s under 1,000 closed-loop readers needs >= 500 reads/s
-(Little's law: mean latency = readers / throughput).
+p99 2.3 s, reads 84/s, /healthz p99 55 ms.
+
+Where the CPU goes is printed after each load phase (`print_cpu`). On this 2-core machine
+the collector uses all of it (machine idle 1-8%): on SQLite the ingest process spends
+~27 ms of CPU a batch (32 agents: ~0.85 of a core; ~22 ms a batch alone in-process, the
+rule engine about half of it) and the serving process ~4 ms a read (~2.7 ms one at a
+time, `bench/read_cost.py`: the alerts across runs ~6.5-9 ms, the runs list ~3-4.5 ms,
+a kept run answer ~1-1.8 ms), so reads get what ingest leaves: 177-252/s over five runs
+of one day. Ingest runs at the higher priority, and when it nears its capacity (~28-32
+batches/s under the load) its p50 climbs to ~1 s. On PostgreSQL (two workers) the ingest
+processes spend ~42-47 ms a batch and a read ~7-9 ms, the database's own processes
+besides: 47-57 reads/s. p99 < 2 s under 1,000 closed-loop readers needs >= 500 reads/s
+(Little's law: mean latency = readers / throughput), so both costs must about halve.
 
 The clients run in two processes beside the collector and `/healthz` is probed from a
 third (so its latency is the collector's, not a busy client's event loop): on a 2-core

@@ -3,6 +3,7 @@ bars are measured by running the benches, not by timed unit tests)."""
 
 from __future__ import annotations
 
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -31,6 +32,9 @@ def test_bench_quick_runs_and_reports(script: str) -> None:
         phases = [line for line in done.stdout.splitlines() if "| errors " in line]
         assert len(phases) == 2 and "bogus tokens" in phases[1], done.stdout
         assert all("| errors 0 " in line for line in phases), done.stdout
+        # Both kinds of the collector's processes found (by its process tree) and counted.
+        used = re.search(r"serving +([0-9.]+) s .* ingest +([0-9.]+) s", done.stdout)
+        assert used and float(used[1]) > 0 and float(used[2]) > 0, done.stdout
     elif script == "read_cost.py":  # every route answered (a non-200 is an AssertionError)
         assert done.returncode == 0 and done.stdout.count(" cpu ") == 8, done.stdout
     else:

@@ -481,12 +481,13 @@ def test_wakes_deliver_at_once_and_the_sweep_keeps_its_interval(sqlite_url: str)
     settings = Settings(database_url=sqlite_url, notify_interval=3600.0)
     worker = Observed(make_sessionmaker(engine), settings,
                       sweep=lambda session, now: swept.append(now), clock=lambda: clock[0])  # fmt: skip
+
+    def wake() -> bool:
+        worker.wake()
+        return rounds.get(timeout=30)
+
     worker.start()
     try:
-        def wake() -> bool:
-            worker.wake()
-            return rounds.get(timeout=30)
-
         assert wake() is True  # the first round sweeps
         assert [wake() for _ in range(5)] == [False] * 5  # the clock has not moved
         clock[0] += 3599.0
