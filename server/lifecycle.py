@@ -83,6 +83,9 @@ def delete_run(session: Session, run_id: int) -> bool:
     keys' ON DELETE CASCADE (SQLite enforces them: `db.make_engine` turns them on).
     """
     begin_write(session)
-    result = session.execute(delete(Run).where(Run.id == run_id))
+    deleted = session.execute(delete(Run).where(Run.id == run_id).returning(Run.project))
+    project = deleted.scalar_one_or_none()
+    if project is not None:  # its alerts went with it: the alert lists changed
+        run_version.note_alerts_changed(session, project)
     session.commit()
-    return bool(result.rowcount == 1)  # type: ignore[attr-defined]
+    return project is not None

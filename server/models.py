@@ -84,6 +84,9 @@ class Project(Base):
     id: Mapped[int] = mapped_column(Integer, primary_key=True)
     name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
+    #: Bumped by every write of an alert of the project's runs
+    #: (`ampwatch.server.run_version.note_alerts_changed`): the ETag of its alert lists.
+    alerts_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class Token(Base):

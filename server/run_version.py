@@ -13,14 +13,27 @@ engine when it writes any of the run's alerts or its health (ingest or the sweep
 end and resume,
 threshold overrides of the run or its project (the step series carries the rule lines),
 and layer aging (`layer_rollups.age_layer_stats`).
+
+A project's alerts counter (`Project.alerts_version`) tags its alert lists: the alerts
+across its runs, and each run's alerts page, which a run's own counter would retag with
+every batch (under `bench/load.py`'s 32 agents ~40% of the batches wrote an alert). Who
+notes a change (`note_alerts_changed`): the alert engine when it writes any alert
+(`alerts.lifecycle.Tracker.finish`), a precursor's lead stamp (`alerts.precursors`), and
+a run's deletion (`lifecycle.delete_run`). The counter is bumped at the transaction's
+commit, in it (`_bump_noted`): the alerts and their count are seen together, and
+PostgreSQL holds the project row's lock for the commit alone, not for the rest of a
+batch's work, while the other agents of the project write theirs.
 """
 
 from __future__ import annotations
 
-from sqlalchemy import ColumnElement, update
-from sqlalchemy.orm import Session
+from sqlalchemy import ColumnElement, event, update
+from sqlalchemy.orm import Session, SessionTransaction
 
-from ampwatch.server.models import Run
+from ampwatch.server.models import Project, Run
+
+#: `Session.info` key: the projects whose alerts this transaction wrote.
+_ALERTS_CHANGED = "ampwatch.alerts_changed"
 
 
 def bump(run: Run) -> None:
@@ -31,3 +44,29 @@ def bump(run: Run) -> None:
 def bump_where(session: Session, *conditions: ColumnElement[bool]) -> None:
     """Count a change of every run matching `conditions`, in `session`'s transaction."""
     session.execute(update(Run).where(*conditions).values(version=Run.version + 1))
+
+
+def note_alerts_changed(session: Session, project: str) -> None:
+    """Count a change of `project`'s alerts when `session`'s transaction commits; call it
+    in the transaction that wrote them."""
+    session.info.setdefault(_ALERTS_CHANGED, set()).add(project)
+
+
+@event.listens_for(Session, "before_commit")
+def _bump_noted(session: Session) -> None:
+    """Bump the alerts counter of each project noted in the committing transaction."""
+    noted = session.info.pop(_ALERTS_CHANGED, None)
+    for project in sorted(noted or ()):  # one order: two commits never wait on each other
+        session.execute(
+            update(Project)
+            .where(Project.name == project)
+            .values(alerts_version=Project.alerts_version + 1)
+        )
+
+
+@event.listens_for(Session, "after_transaction_end")
+def _forget_noted(session: Session, transaction: SessionTransaction) -> None:
+    """Notes live as long as their transaction: a rolled-back one wrote no alerts (a
+    savepoint's end keeps them: some may be of writes before it)."""
+    if transaction.parent is None and not transaction.nested:
+        session.info.pop(_ALERTS_CHANGED, None)

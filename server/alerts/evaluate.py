@@ -154,7 +154,7 @@ def _evaluate(
     judged = _evaluate_steps(tracker, steps_state, batch.steps, settings, samples, guard, early)
     guard("layer rules", None, samples.judge_until, None)
     tracker.finish(steps_state.last_step)
-    guard("precursor leads", None, precursors.stamp_leads, session, run.id, early)
+    guard("precursor leads", None, precursors.stamp_leads, session, run, early)
     _save(session, rows, run.id, PRECURSORS_KEY, early.to_json(), now)
 
     _save(session, rows, run.id, STEPS_KEY, steps_state.to_json(), now)

@@ -25,8 +25,9 @@ the run's step state (`groups`: rule -> {lead alert id, layers}).
 
 `finish` writes those messages, flushes, enqueues notifications
 (`ampwatch.server.outbox.enqueue`), keeps `Run.health`, and counts a change of the run
-(`run_version.bump`) whenever it wrote any of its alerts: the run's alerts page is tagged
-and kept by that counter (`api.conditional`), and the sweep writes outside any ingest.
+(`run_version.bump`) and of its project's alerts (`run_version.note_alerts_changed`)
+whenever it wrote any of its alerts: the alert lists are tagged and kept by the project's
+counter (`api.conditional`), and the sweep writes outside any ingest.
 """
 
 from __future__ import annotations
@@ -352,12 +353,20 @@ class Tracker:
                 lead.message = _group_message(lead.message, group["layers"])
         for alert, transition in self._notify:
             outbox.enqueue(self.session, alert, transition)
+        self._count_changes()
+
+    def _count_changes(self) -> None:
+        """Keep the run's health, and count a change of the run when it or any alert moved,
+        and of its project's alerts when any alert was written (the sweep writes outside
+        any ingest)."""
         health = health_of(self.open.values())
         moved = self.run.health != health
         if moved:
             self.run.health = health  # type: ignore[assignment]
         if moved or self._changed:
-            run_version.bump(self.run)  # the sweep changes them outside any ingest
+            run_version.bump(self.run)
+        if self._changed or self._leads or self._joined or self._notify:
+            run_version.note_alerts_changed(self.session, self.run.project)
 
     def _apply_detail(self, key: Key, alert: Alert) -> None:
         detail = self._details.pop(key, None)

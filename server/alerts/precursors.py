@@ -39,12 +39,13 @@ from sqlalchemy import func, select
 from sqlalchemy.orm import Session
 
 from ampwatch.agent.wire import decode_float
+from ampwatch.server import run_version
 from ampwatch.server.alerts.json_copy import json_copy
 from ampwatch.server.alerts.layer_settings import FlushTrend
 from ampwatch.server.alerts.lifecycle import Tracker
 from ampwatch.server.alerts.numbers import shares
 from ampwatch.server.alerts.rule_settings import RuleSettings, ScaleDecline, UpdateRmsRise
-from ampwatch.server.models import Alert
+from ampwatch.server.models import Alert, Run
 from ampwatch.server.schemas.wire import LayerStatsIn, StepIn
 
 PRECURSOR_RULES = ("update_rms_rise", "scale_decline", "flush_trend")
@@ -226,7 +227,7 @@ def judge_flush(
             tracker.clear("flush_trend", s, layer=name)
 
 
-def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
+def stamp_leads(session: Session, run: Run, state: PrecursorState) -> None:
     """Record on each precursor alert that fired before an event alert how many steps ahead
     of that event it was (module docstring), event by event from `state.awaiting` on.
 
@@ -234,6 +235,7 @@ def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
     into batches never changes a lead: an event counts once it has fired (a pending one
     may be dropped), and not while an earlier-starting event is still pending (it may
     fire yet, and would be the first)."""
+    run_id = run.id
     while state.awaiting is not None:
         after = (Alert.run_id == run_id, Alert.rule.in_(EVENT_RULES),
                  Alert.started_step >= state.awaiting)  # fmt: skip
@@ -249,7 +251,8 @@ def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
         ).first()  # fmt: skip
         if undecided is not None:
             return
-        _stamp(session, run_id, state, event, since=state.awaiting)
+        if _stamp(session, run_id, state, event, since=state.awaiting):
+            run_version.note_alerts_changed(session, run.project)
         state.awaiting = session.scalars(
             select(func.min(Alert.fired_step)).where(
                 Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),
@@ -259,13 +262,15 @@ def stamp_leads(session: Session, run_id: int, state: PrecursorState) -> None:
 
 def _stamp(
     session: Session, run_id: int, state: PrecursorState, event: Alert, *, since: int
-) -> None:
-    """The lead to `event` on each precursor alert fired from `since` up to its onset."""
+) -> bool:
+    """The lead to `event` on each precursor alert fired from `since` up to its onset;
+    whether it stamped any."""
     waiting = session.scalars(
         select(Alert).where(Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),
                             Alert.fired_step >= since,
                             Alert.fired_step <= event.started_step)
     ).all()  # fmt: skip
+    stamped = False
     for alert in waiting:
         if "lead_steps" in (alert.values or {}):
             continue
@@ -273,5 +278,7 @@ def _stamp(
         lead = {"event_rule": event.rule, "event_step": event.started_step,
                 "lead_steps": event.started_step - alert.fired_step}  # fmt: skip
         alert.values = {**(alert.values or {}), **lead}
+        stamped = True
         if alert.status != "resolved":
             state.leads[f"{alert.rule}|{alert.layer}"] = lead
+    return stamped

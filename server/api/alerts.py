@@ -11,7 +11,7 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query
+from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
 from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
 
@@ -24,12 +24,13 @@ from ampwatch.server.alerts.config import (
     with_file_rules,
 )
 from ampwatch.server.alerts.rules import RuleName
+from ampwatch.server.api import conditional
 from ampwatch.server.api.deps import (
     NOT_YOURS,
     RUN_ERRORS,
     PrincipalDep,
+    RunAlertsReadDep,
     RunIdDep,
-    RunReadDep,
     SessionDep,
     SessionRoute,
 )
@@ -133,7 +134,7 @@ def _filters(status: str | None, severity: str | None, rule: str | None) -> list
 
 @router.get("/runs/{run_id}/alerts", responses=RUN_ERRORS)
 def run_alerts(
-    run_id: RunReadDep,
+    run_id: RunAlertsReadDep,
     session: SessionDep,
     status: StatusQuery = None,
     rule: RuleQuery = None,
@@ -141,14 +142,15 @@ def run_alerts(
     limit: LimitQuery = DEFAULT_PAGE,
     offset: OffsetQuery = 0,
 ) -> AlertsPublic:
-    """The run's alerts, newest first, optionally filtered. Tagged by the run's change
-    counter, which every write of its alerts bumps (`alerts.lifecycle.Tracker.finish`)."""
+    """The run's alerts, newest first, optionally filtered. Tagged by its project's alerts
+    counter, which every write of an alert bumps (`run_version.note_alerts_changed`)."""
     conditions = [Alert.run_id == run_id, *_filters(status, severity, rule)]
     return _page(session, conditions, limit, offset)
 
 
 @router.get("/alerts", responses=NOT_YOURS)
 def list_alerts(
+    request: Request,
     session: SessionDep,
     principal: PrincipalDep,
     project: Annotated[
@@ -160,11 +162,28 @@ def list_alerts(
     limit: LimitQuery = DEFAULT_PAGE,
     offset: OffsetQuery = 0,
 ) -> AlertsPublic:
-    """Alerts across every run the caller may read, newest first."""
+    """Alerts across every run the caller may read, newest first. Tagged by the alerts
+    counter of the projects it covers (`conditional.alerts_tag`), and kept: a thousand
+    viewers of a project's alerts cost one page per change of them."""
     if project is not None:
         principal.check_project(project)
+    scope = principal.project or project
+    conditional.check_tag(request, _alerts_tag(request, session, scope))
     conditions = _filters(status, severity, rule)
-    return _page(session, conditions, limit, offset, project=principal.project or project)
+    return _page(session, conditions, limit, offset, project=scope)
+
+
+def _alerts_tag(request: Request, session: Session, project: str | None) -> str:
+    """The tag of the alerts of `project` (None: of every project). Read before the page,
+    in an earlier snapshot than the page's: a tag never names an older page than its own.
+    A project without a row has no alerts: every such answer is the empty page."""
+    if project is None:  # projects are never deleted: the sum only rises
+        total = session.scalar(select(func.coalesce(func.sum(Project.alerts_version), 0)))
+        return conditional.alerts_tag(request, "*", int(total or 0))
+    row = session.execute(
+        select(Project.id, Project.alerts_version).where(Project.name == project)
+    ).first()
+    return conditional.alerts_tag(request, *(row if row is not None else (0, 0)))
 
 
 @router.get("/alert-rules")

@@ -1,13 +1,19 @@
 """Conditional reads: the run answers the dashboard polls carry an ETag, and a caller that
 sends it back (`If-None-Match`) while nothing changed gets a 304 with no body.
 
-A run's answers (`deps.RunReadDep`: the run, its steps, layers, events, checkpoints,
-alerts) are tagged with the run's change counter (`ampwatch.server.run_version`), read by
-the existence check every run route makes already (`deps.existing_run_id`): an unchanged
-poll costs no query of its own. The tag also names the run's creation time (SQLite may reuse a deleted run's
-id) and `answer_tag`: the package version, the schema and the alerts file, which shape the
-answers without bumping any run. Routes whose answers change without a bump (the advisor,
-which reads the clock) are not tagged; the alerts across runs answer from many runs.
+A run's answers (`deps.RunReadDep`: the run, its steps, layers, events, checkpoints) are
+tagged with the run's change counter (`ampwatch.server.run_version`), read by the
+existence check every run route makes already (`deps.existing_run_id`): an unchanged poll
+costs no query of its own. The tag also names the run's creation time (SQLite may reuse
+a deleted run's id) and `answer_tag`: the package version, the schema and the alerts
+file, which shape the answers without bumping any run. Routes whose answers change
+without a bump (the advisor, which reads the clock) are not tagged.
+
+The alert lists are tagged with their project's alerts counter instead
+(`Project.alerts_version`), which only a write of an alert moves: a run's alerts page
+(`deps.RunAlertsReadDep`, read with the run), and the alerts across runs (`alerts_tag`:
+one project's, or every project's for the admin token), whose tag names the projects it
+covers, since one URL answers each tenant its own.
 
 The tagged answers are also kept, per process (`TaggedAnswers`, by URL and tag): a
 thousand viewers of one run, each without the tag, cost one query per change of the run.
@@ -26,8 +32,9 @@ from importlib import metadata
 
 from fastapi import Request, Response
 
-#: Where `deps.existing_run_id` leaves the run's (created_at, version), and where
-#: `unchanged_run` leaves the answer's tag for `deps.SessionRoute` to send.
+#: Where `deps.existing_run_id` leaves the run's (created_at, version, its project's
+#: alerts_version), and where `check_tag` leaves the answer's tag for `deps.SessionRoute`
+#: to send.
 RUN_VERSION_KEY = "ampwatch.run_version"
 ETAG_KEY = "ampwatch.etag"
 CACHE_CONTROL = "no-cache"
@@ -66,7 +73,8 @@ class TaggedAnswers:
 
 
 class Kept(Exception):
-    """The answer of this URL at this tag is kept: `deps.SessionRoute` sends it."""
+    """The answer of this URL at this tag is kept: `deps.SessionRoute` sends it (raised by
+    a dependency or an endpoint)."""
 
     def __init__(self, tag: str, body: bytes, media_type: str) -> None:
         super().__init__(tag)
@@ -103,20 +111,33 @@ def held(request: Request, tag: str) -> bool:
     return any(part.strip() in (tag, "*", f"W/{tag}") for part in header.split(","))
 
 
-def check_run(request: Request, run_id: int) -> None:
+def check_run(request: Request, run_id: int, *, alerts: bool = False) -> None:
     """Raise `NotModified` when the caller holds the tag of run `run_id`'s answer (its
-    counter as `deps.existing_run_id` read it), else leave the tag for the answer
-    (`deps.RunReadDep`)."""
-    created, version = request.scope[RUN_VERSION_KEY]
+    counter as `deps.existing_run_id` read it; `alerts`: its project's alerts counter,
+    for the run's alerts page), else leave the tag for the answer (`deps.RunReadDep`)."""
+    created, version, alerts_version = request.scope[RUN_VERSION_KEY]
     assert isinstance(created, datetime)
     stamp = int(created.timestamp() * 1e6)
-    tag = f'"r{run_id}.{stamp}.{version}.{request.app.state.answer_tag}"'
+    counter = f"a{alerts_version}" if alerts else version
+    check_tag(request, f'"r{run_id}.{stamp}.{counter}.{request.app.state.answer_tag}"')
+
+
+def check_tag(request: Request, tag: str) -> None:
+    """Raise `NotModified` when the caller holds `tag`, `Kept` when this URL's answer at
+    `tag` is kept; else leave `tag` for the answer (`tag_response`). The tag must name
+    everything the answer depends on besides the URL: who may see it included."""
     if held(request, tag):
         raise NotModified(tag)
     kept = request.app.state.tagged_answers.get(_url(request), tag)
     if kept is not None:
         raise Kept(tag, *kept)
     request.scope[ETAG_KEY] = tag
+
+
+def alerts_tag(request: Request, project_id: int | str, version: int) -> str:
+    """The tag of an alert list across runs: the projects it covers (one project's id, or
+    `*` for every project) at their alerts counter (`Project.alerts_version`)."""
+    return f'"a{project_id}.{version}.{request.app.state.answer_tag}"'
 
 
 def _url(request: Request) -> str:

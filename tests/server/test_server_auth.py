@@ -184,6 +184,35 @@ def test_a_project_token_sees_only_its_project(tenants: Tenants) -> None:
     assert sorted(run["project"] for run in everything["runs"]) == ["nlp", "vision"]
 
 
+def test_an_alert_list_is_kept_for_its_tenant_alone(tenants: Tenants) -> None:
+    """One URL answers each tenant its own alerts: a kept page, or a tag, of one project is
+    never another's (the tag names the projects it covers)."""
+    for project, token in (("vision", tenants.vision), ("nlp", tenants.nlp)):
+        batch = ingest_batch_json(project, f"{project}-run") | {"seq": 1}
+        batch["steps"], batch["layer_stats"] = [step_record(2, loss=float("nan"))], []
+        assert tenants.post(INGEST_PATH, token, batch).status_code == 200
+
+    def alerts(token: str, tag: str | None = None) -> httpx.Response:
+        headers = {"Authorization": f"Bearer {token}"} | ({"If-None-Match": tag} if tag else {})
+        return httpx.get(f"{tenants.url}/api/v1/alerts", headers=headers, timeout=30)
+
+    tags = {}
+    for project, token in (("vision", tenants.vision), ("nlp", tenants.nlp)):
+        for _ in range(2):  # the second answer is the kept one
+            answer = alerts(token)
+            assert answer.status_code == 200
+            assert {a["run_id"] for a in answer.json()["alerts"]} == {tenants.runs[project]}
+        tags[project] = answer.headers["etag"]
+    assert tags["vision"] != tags["nlp"]
+    assert alerts(tenants.vision, tags["vision"]).status_code == 304
+    crossed = alerts(tenants.nlp, tags["vision"])
+    assert crossed.status_code == 200
+    assert {a["run_id"] for a in crossed.json()["alerts"]} == {tenants.runs["nlp"]}
+    everyone = alerts(ADMIN)
+    assert {a["run_id"] for a in everyone.json()["alerts"]} == set(tenants.runs.values())
+    assert everyone.headers["etag"] not in tags.values()
+
+
 def test_a_batch_without_project_goes_to_the_tokens_project(tenants: Tenants) -> None:
     ack = tenants.post(INGEST_PATH, tenants.vision, ingest_batch_json(None, "unnamed"))
     assert ack.status_code == 200, ack.text

@@ -11,13 +11,19 @@ from typing import Any
 
 import httpx
 import pytest
+from sqlalchemy import select
 from webhook_receiver import WebhookReceiver
 from wire_batches import layer_record, make_batch, step_record
 
 from ampwatch.agent.wire import INGEST_PATH
-from ampwatch.server import queries, series
+from ampwatch.server import queries, run_version, series
+from ampwatch.server.auth import ensure_project
+from ampwatch.server.db import make_engine, make_sessionmaker
+from ampwatch.server.migrate import upgrade
+from ampwatch.server.models import Project
 
 RUNS = "/api/v1/runs"
+ALERTS = "/api/v1/alerts"
 
 
 def ingest(client: httpx.Client, seq: int, steps: list[int]) -> int:
@@ -41,8 +47,12 @@ def run_paths(run_id: int) -> list[str]:
         f"{run}/layers/fc1/series",
         f"{run}/events",
         f"{run}/checkpoints",
-        f"{run}/alerts",
     ]
+
+
+def alert_paths(run_id: int) -> list[str]:
+    """The alert lists, tagged by the project's alerts counter."""
+    return [f"{RUNS}/{run_id}/alerts", ALERTS, f"{ALERTS}?status=firing"]
 
 
 def assert_unchanged(client: httpx.Client, path: str) -> str:
@@ -84,8 +94,75 @@ def test_unchanged_run_answers_are_304_and_every_change_is_a_200(client: httpx.C
     ended = client.get(run_path, headers={"If-None-Match": tags[run_path]})
     assert (ended.status_code, ended.json()["status"]) == (200, "ended")
 
-    # Answers that move without a bump are not tagged: the alerts across runs, the advisor.
-    assert "etag" not in client.get("/api/v1/alerts").headers
+    # Answers that move without a bump are not tagged: the advisor reads the clock.
+    assert "etag" not in client.get(f"{run_path}/advisor").headers
+
+
+def steady(client: httpx.Client, seq: int, steps: list[int]) -> int:
+    """A batch of steps at one loss (`ingest`'s rising loss fires loss_spike)."""
+    batch = make_batch(seq, steps=[step_record(s, loss=1.0) for s in steps])
+    answer = client.post(INGEST_PATH, content=json.dumps(batch))
+    assert answer.status_code == 200, answer.text
+    return int(answer.json()["run_id"])
+
+
+def nan_batch(seq: int, step: int, client_run_id: str = "run-a") -> Any:
+    """A batch whose step has a NaN loss: nan_loss fires."""
+    return make_batch(seq, client_run_id=client_run_id,
+                      steps=[step_record(step, loss=float("nan"))])  # fmt: skip
+
+
+def test_the_alert_lists_change_with_their_alerts_only(client: httpx.Client) -> None:
+    """A batch that writes no alert leaves every alert list as it was (a run's counter
+    would have moved: its steps are new); one that fires an alert, and a run's deletion,
+    change them all."""
+    run_id = steady(client, 0, [0, 1, 2])
+    paths = alert_paths(run_id)
+    tags = {path: assert_unchanged(client, path) for path in paths}
+
+    steady(client, 1, [3, 4])  # no alert: the same tags, 304s
+    assert {path: assert_unchanged(client, path) for path in paths} == tags
+
+    fired = client.post(INGEST_PATH, content=json.dumps(nan_batch(2, 5)))
+    assert fired.status_code == 200, fired.text
+    for path in paths:
+        answer = client.get(path, headers={"If-None-Match": tags[path]})
+        assert answer.status_code == 200 and answer.headers["etag"] != tags[path], path
+        assert [a["rule"] for a in answer.json()["alerts"]] == ["nan_loss"], path
+        tags[path] = assert_unchanged(client, path)
+
+    # Another run's alert moves the project's lists.
+    fired = client.post(INGEST_PATH, content=json.dumps(nan_batch(0, 1, "other-run")))
+    assert fired.status_code == 200, fired.text
+    listed = client.get(ALERTS, headers={"If-None-Match": tags[ALERTS]})
+    assert listed.status_code == 200 and listed.json()["total"] == 2
+
+    assert client.delete(f"{RUNS}/{run_id}").status_code == 204
+    after = client.get(ALERTS, headers={"If-None-Match": listed.headers["etag"]})
+    assert after.status_code == 200 and after.json()["total"] == 1
+
+
+def test_an_alert_list_is_computed_once_per_change_for_every_viewer(
+    client: httpx.Client, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Viewers of the alerts across runs without the tag get the kept page."""
+    from ampwatch.server.api import alerts
+
+    calls: list[int] = []
+    real = alerts._page
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(alerts, "_page", counted)
+    steady(client, 0, [0])
+    first, second = client.get(ALERTS), client.get(ALERTS)
+    assert (first.status_code, second.status_code, len(calls)) == (200, 200, 1)
+    assert second.content == first.content and second.headers["etag"] == first.headers["etag"]
+    assert client.post(INGEST_PATH, content=json.dumps(nan_batch(1, 1))).status_code == 200
+    third = client.get(ALERTS)
+    assert len(calls) == 2 and [a["rule"] for a in third.json()["alerts"]] == ["nan_loss"]
 
 
 def test_a_tag_of_another_run_or_a_deleted_one_is_not_honoured(client: httpx.Client) -> None:
@@ -190,3 +267,37 @@ def test_a_run_answer_is_computed_once_per_change_for_every_viewer(
     ingest(client, 1, [2])
     third = client.get(path)
     assert len(calls) == 3 and third.json()["step"] == [0, 1, 2]
+
+
+def test_the_alerts_counter_moves_once_per_commit_that_noted_a_change(db_url: str) -> None:
+    """`run_version.note_alerts_changed` bumps at the commit, once however many notes; a
+    rollback forgets them (a savepoint's keeps the earlier ones)."""
+    upgrade(db_url)
+    engine = make_engine(db_url)
+    sessions = make_sessionmaker(engine)
+
+    def version() -> int:
+        with sessions() as session:
+            return int(session.scalar(select(Project.alerts_version).where(Project.name == "p")))
+
+    try:
+        with sessions() as session:
+            ensure_project(session, "p")
+            session.commit()
+        assert version() == 0
+        with sessions() as session:
+            session.execute(select(1))  # notes follow their writes, in their transaction
+            run_version.note_alerts_changed(session, "p")
+            session.rollback()
+            session.commit()
+        assert version() == 0
+        with sessions() as session:
+            session.execute(select(1))
+            run_version.note_alerts_changed(session, "p")
+            run_version.note_alerts_changed(session, "p")
+            with pytest.raises(RuntimeError), session.begin_nested():
+                raise RuntimeError("a failed evaluation")
+            session.commit()
+        assert version() == 1
+    finally:
+        engine.dispose()
