@@ -40,7 +40,10 @@ the collector uses all of it (machine idle 1-8%): on SQLite the ingest process s
 rule engine about half of it) and the serving process ~4 ms a read (~2.7 ms one at a
 time, `bench/read_cost.py`: the alerts across runs ~6.5-9 ms, the runs list ~3-4.5 ms,
 a kept run answer ~1-1.8 ms), so reads get what ingest leaves: 177-252/s over five runs
-of one day. Ingest runs at the higher priority, and when it nears its capacity (~28-32
+of one day. Tagging the alert lists by their project's alerts counter (`/alerts` unchanged:
+7.2 -> 2.9 ms) moved nothing this bench can tell from its noise: interleaved, 173 and
+225 reads/s with it, 237 and 222 without; where ingest fell behind (~27 batches/s, ~33 ms
+a batch), reads fell to ~173/s either way. Ingest runs at the higher priority, and when it nears its capacity (~28-32
 batches/s under the load) its p50 climbs to ~1 s. On PostgreSQL (two workers) the ingest
 processes spend ~42-47 ms a batch and a read ~7-9 ms, the database's own processes
 besides: 47-57 reads/s. p99 < 2 s under 1,000 closed-loop readers needs >= 500 reads/s

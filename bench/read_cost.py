@@ -17,6 +17,10 @@ bytes, with `/healthz` as the floor of any request. Linux only (/proc).
 Measured (SQLite, one run, a loaded 2-core machine): `/runs/{id}/alerts` 7.2 -> 1.7 ms once
 tagged by the run's change counter and kept (`api.conditional`); `/alerts` (a page of 100)
 ~6-8 ms, the runs list ~3.5-4.7 ms, a kept run answer ~1.1-1.7 ms, `/healthz` 0.23 ms.
+With the alert lists tagged by their project's alerts counter (which moves only when an
+alert is written, as nothing is here while the routes are measured), back to back on one
+day: `/alerts` 7.20 -> 2.87 ms, the other routes unchanged (runs list 3.6 / 3.3 ms, kept
+run answers 1.5-1.8 ms, `/healthz` 0.30 ms).
 """
 
 from __future__ import annotations
