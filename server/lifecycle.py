@@ -86,6 +86,6 @@ def delete_run(session: Session, run_id: int) -> bool:
     deleted = session.execute(delete(Run).where(Run.id == run_id).returning(Run.project))
     project = deleted.scalar_one_or_none()
     if project is not None:  # its alerts went with it: the alert lists changed
-        run_version.note_alerts_changed(session, project)
+        run_version.note_project_alerts(session, project)
     session.commit()
     return project is not None

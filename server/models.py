@@ -85,7 +85,7 @@ class Project(Base):
     name: Mapped[str] = mapped_column(SafeString(MAX_NAME_LENGTH), unique=True)
     created_at: Mapped[datetime] = mapped_column(UTCDateTime, default=utcnow)
     #: Bumped by every write of an alert of the project's runs
-    #: (`ampwatch.server.run_version.note_alerts_changed`): the ETag of its alert lists.
+    #: (`ampwatch.server.run_version.note_project_alerts`): the ETag of its alert lists.
     alerts_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
@@ -162,6 +162,9 @@ class Run(Base):
     #: Bumped by every write that changes what the run's reads answer
     #: (`ampwatch.server.run_version`): the ETag of those answers.
     version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
+    #: Bumped by every write of the run's alerts (`run_version.bump_alerts`): the ETag of
+    #: its alerts page.
+    alerts_version: Mapped[int] = mapped_column(BigInteger, default=0, server_default="0")
 
 
 class IngestedBatch(RunRow, Base):

@@ -14,15 +14,16 @@ end and resume,
 threshold overrides of the run or its project (the step series carries the rule lines),
 and layer aging (`layer_rollups.age_layer_stats`).
 
-A project's alerts counter (`Project.alerts_version`) tags its alert lists: the alerts
-across its runs, and each run's alerts page, which a run's own counter would retag with
-every batch (under `bench/load.py`'s 32 agents ~40% of the batches wrote an alert). Who
-notes a change (`note_alerts_changed`): the alert engine when it writes any alert
-(`alerts.lifecycle.Tracker.finish`), a precursor's lead stamp (`alerts.precursors`), and
-a run's deletion (`lifecycle.delete_run`). The counter is bumped at the transaction's
-commit, in it (`_bump_noted`): the alerts and their count are seen together, and
-PostgreSQL holds the project row's lock for the commit alone, not for the rest of a
-batch's work, while the other agents of the project write theirs.
+A run's alerts counter (`Run.alerts_version`) tags its alerts page, which its change
+counter would retag with every batch (under `bench/load.py`'s 32 agents ~40% of the
+batches wrote an alert), and a project's (`Project.alerts_version`) the alerts across its
+runs. Who counts an alert write (`bump_alerts`): the alert engine
+(`alerts.lifecycle.Tracker.finish`) and a precursor's lead stamp (`alerts.precursors`);
+a run's deletion counts one of its project's (`lifecycle.delete_run`). The project's
+counter is bumped at the transaction's commit, in it (`_bump_noted`): the alerts and
+their count are seen together, and PostgreSQL holds the project row's lock for the commit
+alone, not for the rest of a batch's work, while the other agents of the project write
+theirs.
 """
 
 from __future__ import annotations
@@ -46,7 +47,14 @@ def bump_where(session: Session, *conditions: ColumnElement[bool]) -> None:
     session.execute(update(Run).where(*conditions).values(version=Run.version + 1))
 
 
-def note_alerts_changed(session: Session, project: str) -> None:
+def bump_alerts(session: Session, run: Run) -> None:
+    """Count a change of `run`'s alerts (an ORM row of `session`, flushed with it) and of
+    its project's (`note_project_alerts`)."""
+    run.alerts_version = Run.alerts_version + 1  # SQL, evaluated in the UPDATE
+    note_project_alerts(session, run.project)
+
+
+def note_project_alerts(session: Session, project: str) -> None:
     """Count a change of `project`'s alerts when `session`'s transaction commits; call it
     in the transaction that wrote them."""
     session.info.setdefault(_ALERTS_CHANGED, set()).add(project)

@@ -25,9 +25,9 @@ the run's step state (`groups`: rule -> {lead alert id, layers}).
 
 `finish` writes those messages, flushes, enqueues notifications
 (`ampwatch.server.outbox.enqueue`), keeps `Run.health`, and counts a change of the run
-(`run_version.bump`) and of its project's alerts (`run_version.note_alerts_changed`)
-whenever it wrote any of its alerts: the alert lists are tagged and kept by the project's
-counter (`api.conditional`), and the sweep writes outside any ingest.
+(`run_version.bump`) and of its alerts (`run_version.bump_alerts`) whenever it wrote any
+of them: the alert lists are tagged and kept by the alerts counters (`api.conditional`),
+and the sweep writes outside any ingest.
 """
 
 from __future__ import annotations
@@ -357,8 +357,7 @@ class Tracker:
 
     def _count_changes(self) -> None:
         """Keep the run's health, and count a change of the run when it or any alert moved,
-        and of its project's alerts when any alert was written (the sweep writes outside
-        any ingest)."""
+        and of its alerts when any was written (the sweep writes outside any ingest)."""
         health = health_of(self.open.values())
         moved = self.run.health != health
         if moved:
@@ -366,7 +365,7 @@ class Tracker:
         if moved or self._changed:
             run_version.bump(self.run)
         if self._changed or self._leads or self._joined or self._notify:
-            run_version.note_alerts_changed(self.session, self.run.project)
+            run_version.bump_alerts(self.session, self.run)
 
     def _apply_detail(self, key: Key, alert: Alert) -> None:
         detail = self._details.pop(key, None)

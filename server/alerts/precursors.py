@@ -252,7 +252,7 @@ def stamp_leads(session: Session, run: Run, state: PrecursorState) -> None:
         if undecided is not None:
             return
         if _stamp(session, run_id, state, event, since=state.awaiting):
-            run_version.note_alerts_changed(session, run.project)
+            run_version.bump_alerts(session, run)
         state.awaiting = session.scalars(
             select(func.min(Alert.fired_step)).where(
                 Alert.run_id == run_id, Alert.rule.in_(PRECURSOR_RULES),

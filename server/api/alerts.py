@@ -142,8 +142,8 @@ def run_alerts(
     limit: LimitQuery = DEFAULT_PAGE,
     offset: OffsetQuery = 0,
 ) -> AlertsPublic:
-    """The run's alerts, newest first, optionally filtered. Tagged by its project's alerts
-    counter, which every write of an alert bumps (`run_version.note_alerts_changed`)."""
+    """The run's alerts, newest first, optionally filtered. Tagged by its alerts counter,
+    which every write of its alerts bumps (`run_version.bump_alerts`)."""
     conditions = [Alert.run_id == run_id, *_filters(status, severity, rule)]
     return _page(session, conditions, limit, offset)
 

@@ -9,10 +9,10 @@ a deleted run's id) and `answer_tag`: the package version, the schema and the al
 file, which shape the answers without bumping any run. Routes whose answers change
 without a bump (the advisor, which reads the clock) are not tagged.
 
-The alert lists are tagged with their project's alerts counter instead
-(`Project.alerts_version`), which only a write of an alert moves: a run's alerts page
-(`deps.RunAlertsReadDep`, read with the run), and the alerts across runs (`alerts_tag`:
-one project's, or every project's for the admin token), whose tag names the projects it
+The alert lists are tagged with alerts counters instead, which only a write of an alert
+moves: a run's alerts page with the run's (`Run.alerts_version`, read with the run:
+`deps.RunAlertsReadDep`), the alerts across runs with their projects' (`alerts_tag`: one
+project's, or every project's for the admin token), a tag that names the projects it
 covers, since one URL answers each tenant its own.
 
 The tagged answers are also kept, per process (`TaggedAnswers`, by URL and tag): a
@@ -32,8 +32,8 @@ from importlib import metadata
 
 from fastapi import Request, Response
 
-#: Where `deps.existing_run_id` leaves the run's (created_at, version, its project's
-#: alerts_version), and where `check_tag` leaves the answer's tag for `deps.SessionRoute`
+#: Where `deps.existing_run_id` leaves the run's (created_at, version, alerts_version), and
+#: where `check_tag` leaves the answer's tag for `deps.SessionRoute`
 #: to send.
 RUN_VERSION_KEY = "ampwatch.run_version"
 ETAG_KEY = "ampwatch.etag"
@@ -113,8 +113,8 @@ def held(request: Request, tag: str) -> bool:
 
 def check_run(request: Request, run_id: int, *, alerts: bool = False) -> None:
     """Raise `NotModified` when the caller holds the tag of run `run_id`'s answer (its
-    counter as `deps.existing_run_id` read it; `alerts`: its project's alerts counter,
-    for the run's alerts page), else leave the tag for the answer (`deps.RunReadDep`)."""
+    counter as `deps.existing_run_id` read it; `alerts`: its alerts counter, for its
+    alerts page), else leave the tag for the answer (`deps.RunReadDep`)."""
     created, version, alerts_version = request.scope[RUN_VERSION_KEY]
     assert isinstance(created, datetime)
     stamp = int(created.timestamp() * 1e6)

@@ -11,7 +11,7 @@ from typing import Annotated, Any, cast
 from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import Row, bindparam, func, select
+from sqlalchemy import Row, bindparam, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -23,7 +23,7 @@ from ampwatch.server.auth import (
     resolve_principal,
 )
 from ampwatch.server.errors import StrictJSONRequest
-from ampwatch.server.models import Project, Run
+from ampwatch.server.models import Run
 from ampwatch.server.schemas.errors import ErrorPublic
 from ampwatch.server.schemas.wire import MAX_INT
 from ampwatch.server.settings import Settings
@@ -167,21 +167,14 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 #: Where `resolve_caller` leaves the path's run (`_run_row`), read in the caller's hop.
 _RUN_KEY = "ampwatch.path_run"
-_RUN_ROW = (
-    select(
-        Run.project,
-        Run.created_at,
-        Run.version,
-        func.coalesce(Project.alerts_version, 0).label("alerts_version"),
-    )
-    .outerjoin(Project, Project.name == Run.project)
-    .where(Run.id == bindparam("run_id"))
+_RUN_ROW = select(Run.project, Run.created_at, Run.version, Run.alerts_version).where(
+    Run.id == bindparam("run_id")
 )
 
 
 def _run_row(session: Session, run_id: int) -> Row[str, datetime, int, int] | None:
-    """The run's (project, created_at, version, its project's alerts_version); None when
-    there is no such run (ids beyond INTEGER included)."""
+    """The run's (project, created_at, version, alerts_version); None when there is no such
+    run (ids beyond INTEGER included)."""
     if not 1 <= run_id <= MAX_INT:
         return None
     return session.execute(_RUN_ROW, {"run_id": run_id}).first()
@@ -225,11 +218,11 @@ RunReadDep = Annotated[int, Depends(unchanged_run)]
 
 
 async def unchanged_run_alerts(run_id: RunIdDep, request: Request) -> int:
-    """As `unchanged_run`, by the run's project's alerts counter: a batch that writes no
-    alert leaves the run's alerts page as it was."""
+    """As `unchanged_run`, by the run's alerts counter: a batch that writes no alert leaves
+    the run's alerts page as it was."""
     conditional.check_run(request, run_id, alerts=True)
     return run_id
 
 
-#: The run id of the run's alerts page: tagged by its project's alerts counter.
+#: The run id of the run's alerts page: tagged by its alerts counter.
 RunAlertsReadDep = Annotated[int, Depends(unchanged_run_alerts)]

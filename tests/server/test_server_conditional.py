@@ -51,7 +51,7 @@ def run_paths(run_id: int) -> list[str]:
 
 
 def alert_paths(run_id: int) -> list[str]:
-    """The alert lists, tagged by the project's alerts counter."""
+    """The alert lists, tagged by alerts counters (the run's, the project's)."""
     return [f"{RUNS}/{run_id}/alerts", ALERTS, f"{ALERTS}?status=firing"]
 
 
@@ -113,9 +113,9 @@ def nan_batch(seq: int, step: int, client_run_id: str = "run-a") -> Any:
 
 
 def test_the_alert_lists_change_with_their_alerts_only(client: httpx.Client) -> None:
-    """A batch that writes no alert leaves every alert list as it was (a run's counter
-    would have moved: its steps are new); one that fires an alert, and a run's deletion,
-    change them all."""
+    """A batch that writes no alert leaves every alert list as it was (a run's change
+    counter would have moved: its steps are new); one that fires an alert changes them
+    all; another run's alert, and a run's deletion, the project's."""
     run_id = steady(client, 0, [0, 1, 2])
     paths = alert_paths(run_id)
     tags = {path: assert_unchanged(client, path) for path in paths}
@@ -131,11 +131,13 @@ def test_the_alert_lists_change_with_their_alerts_only(client: httpx.Client) -> 
         assert [a["rule"] for a in answer.json()["alerts"]] == ["nan_loss"], path
         tags[path] = assert_unchanged(client, path)
 
-    # Another run's alert moves the project's lists.
+    # Another run's alert moves the project's lists, not this run's page.
     fired = client.post(INGEST_PATH, content=json.dumps(nan_batch(0, 1, "other-run")))
     assert fired.status_code == 200, fired.text
     listed = client.get(ALERTS, headers={"If-None-Match": tags[ALERTS]})
     assert listed.status_code == 200 and listed.json()["total"] == 2
+    run_alerts = f"{RUNS}/{run_id}/alerts"
+    assert assert_unchanged(client, run_alerts) == tags[run_alerts]
 
     assert client.delete(f"{RUNS}/{run_id}").status_code == 204
     after = client.get(ALERTS, headers={"If-None-Match": listed.headers["etag"]})
@@ -270,7 +272,7 @@ def test_a_run_answer_is_computed_once_per_change_for_every_viewer(
 
 
 def test_the_alerts_counter_moves_once_per_commit_that_noted_a_change(db_url: str) -> None:
-    """`run_version.note_alerts_changed` bumps at the commit, once however many notes; a
+    """`run_version.note_project_alerts` bumps at the commit, once however many notes; a
     rollback forgets them (a savepoint's keeps the earlier ones)."""
     upgrade(db_url)
     engine = make_engine(db_url)
@@ -287,14 +289,14 @@ def test_the_alerts_counter_moves_once_per_commit_that_noted_a_change(db_url: st
         assert version() == 0
         with sessions() as session:
             session.execute(select(1))  # notes follow their writes, in their transaction
-            run_version.note_alerts_changed(session, "p")
+            run_version.note_project_alerts(session, "p")
             session.rollback()
             session.commit()
         assert version() == 0
         with sessions() as session:
             session.execute(select(1))
-            run_version.note_alerts_changed(session, "p")
-            run_version.note_alerts_changed(session, "p")
+            run_version.note_project_alerts(session, "p")
+            run_version.note_project_alerts(session, "p")
             with pytest.raises(RuntimeError), session.begin_nested():
                 raise RuntimeError("a failed evaluation")
             session.commit()
