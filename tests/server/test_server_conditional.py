@@ -144,20 +144,26 @@ def test_the_alert_lists_change_with_their_alerts_only(client: httpx.Client) -> 
     assert after.status_code == 200 and after.json()["total"] == 1
 
 
+def counted_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> list[int]:
+    """`owner.name` replaced by itself, counted: the list grows by one per call."""
+    calls: list[int] = []
+    real = getattr(owner, name)
+
+    def counted(*args: Any, **kwargs: Any) -> Any:
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(owner, name, counted)
+    return calls
+
+
 def test_an_alert_list_is_computed_once_per_change_for_every_viewer(
     client: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Viewers of the alerts across runs without the tag get the kept page."""
     from ampwatch.server.api import alerts
 
-    calls: list[int] = []
-    real = alerts._page
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(alerts, "_page", counted)
+    calls = counted_calls(monkeypatch, alerts, "_page")
     steady(client, 0, [0])
     first, second = client.get(ALERTS), client.get(ALERTS)
     assert (first.status_code, second.status_code, len(calls)) == (200, 200, 1)
@@ -252,14 +258,7 @@ def test_a_run_answer_is_computed_once_per_change_for_every_viewer(
     client: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Viewers without the tag get the kept answer (`TaggedAnswers`): one query per change."""
-    calls: list[int] = []
-    real = series.step_series
-
-    def counted(*args: Any, **kwargs: Any) -> Any:
-        calls.append(1)
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(series, "step_series", counted)
+    calls = counted_calls(monkeypatch, series, "step_series")
     run_id = ingest(client, 0, [0, 1])
     path = f"{RUNS}/{run_id}/steps"
     first, second = client.get(path), client.get(path)
