@@ -8,7 +8,7 @@ from __future__ import annotations
 from alert_feed import Feed, healthy, layer_sample
 from wire_batches import step_record
 
-from ampwatch.agent.wire import StepRecord
+from ampwatch.agent.wire import LayerStatsRecord, StepRecord
 
 
 def adam_steps(first: int, count: int, *, rms: float = 1.0, norm: float = 1.0,
@@ -113,3 +113,27 @@ def test_a_flat_flush_share_stays_quiet(feed: Feed) -> None:
     samples = [layer_sample(s, {"w": 0.05}, stat="flush_fraction") for s in range(20, 400, 5)]
     feed.send(healthy(1, 400, scale=1024.0), samples)
     assert feed.alerts() == []
+
+
+def test_flush_trend_fires_for_the_rising_layer_alone_and_resolves_once_it_is_clear(
+    feed: Feed,
+) -> None:
+    """Of three layers, one rises (fires), one sits flat above `min_flush` (no rise: quiet),
+    one sits at 0; the rising one falls back below `min_flush` and resolves once it stayed
+    clear `resolve_steps` (100) -- the clear path of a many-layer sample."""
+    rising = {20: 0.0, 25: 0.004, 30: 0.03}
+
+    def sample(step: int) -> LayerStatsRecord:
+        a = rising.get(step, 0.0)
+        return layer_sample(step, {"a": a, "b": 0.05, "c": 0.0}, stat="flush_fraction")
+
+    feed.send(healthy(1, 35, scale=1024.0), [sample(s) for s in (20, 25, 30, 35)])
+    (alert,) = feed.alerts()
+    assert (alert.rule, alert.layer, alert.status, alert.fired_step) == (
+        "flush_trend", "a", "firing", 30,
+    )  # fmt: skip
+    feed.send(healthy(36, 130, scale=1024.0), [sample(s) for s in range(40, 131, 5)])
+    assert feed.alerts()[0].status == "firing"  # clear since 35: 95 steps
+    feed.send(healthy(131, 140, scale=1024.0), [sample(s) for s in range(135, 141, 5)])
+    (alert,) = feed.alerts()
+    assert (alert.layer, alert.status) == ("a", "resolved")
