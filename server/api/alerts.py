@@ -11,9 +11,10 @@ from __future__ import annotations
 from datetime import datetime
 from typing import Annotated, Any
 
-from fastapi import APIRouter, FastAPI, HTTPException, Query, Request
+from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
 from sqlalchemy import exists, func, select
 from sqlalchemy.orm import Session
+from starlette.concurrency import run_in_threadpool
 
 from ampwatch.server import run_version
 from ampwatch.server.alerts import RULES, AlertConfigError, validate_overrides
@@ -33,7 +34,10 @@ from ampwatch.server.api.deps import (
     RunIdDep,
     SessionDep,
     SessionRoute,
+    caller_read,
+    reads_with_caller,
 )
+from ampwatch.server.auth import Principal
 from ampwatch.server.db import begin_write, dialect_insert
 from ampwatch.server.models import Alert, AlertConfig, AlertStatus, Project, Run, Severity, utcnow
 from ampwatch.server.schemas.alerts import (
@@ -148,14 +152,64 @@ def run_alerts(
     return _page(session, conditions, limit, offset)
 
 
-@router.get("/alerts", responses=NOT_YOURS)
-def list_alerts(
+def _alerts_version(session: Session, project: str | None) -> tuple[int | str, int]:
+    """What names the alerts of `project` (None: of every project) in their tag
+    (`conditional.alerts_tag`): the project's id, or `*`, with its alerts counter. A
+    project without a row has no alerts: every such answer is the empty page."""
+    if project is None:  # projects are never deleted: the sum only rises
+        total = session.scalar(select(func.coalesce(func.sum(Project.alerts_version), 0)))
+        return "*", int(total or 0)
+    row = session.execute(
+        select(Project.id, Project.alerts_version).where(Project.name == project)
+    ).first()
+    return (row.id, row.alerts_version) if row is not None else (0, 0)
+
+
+def _caller_alerts_version(
+    session: Session, request: Request, principal: Principal
+) -> tuple[str | None, tuple[int | str, int]]:
+    """In the caller's hop (`deps.reads_with_caller`): the projects the page will cover,
+    with `_alerts_version` of them."""
+    scope = principal.project or request.query_params.get("project")
+    return scope, _alerts_version(session, scope)
+
+
+def _own_alerts_version(request: Request, project: str | None) -> tuple[int | str, int]:
+    with request.app.state.lookup_sessions() as session:
+        return _alerts_version(session, project)
+
+
+async def unchanged_alerts(
     request: Request,
-    session: SessionDep,
     principal: PrincipalDep,
     project: Annotated[
         str | None, Query(description="Only this project's alerts (a project token: its own).")
     ] = None,
+) -> str | None:
+    """The projects an alert list across runs covers (None: every project the caller may
+    read), after the tag check (`conditional.check_tag`): its tag is the alerts counter of
+    those projects (`conditional.alerts_tag`), read in the caller's hop, before the page's
+    own session and in an earlier snapshot than the page's, so a tag never names an older
+    page than its own; a kept page is answered before that session opens."""
+    if project is not None:
+        principal.check_project(project)
+    scope = principal.project or project
+    read = caller_read(request)
+    if read is None or read[0] != scope:  # no `reads_with_caller` read it for this scope
+        read = (scope, await run_in_threadpool(_own_alerts_version, request, scope))
+    conditional.check_tag(request, conditional.alerts_tag(request, *read[1]))
+    return scope
+
+
+#: The projects of an alert list across runs, after its tag check (`unchanged_alerts`).
+AlertsReadDep = Annotated[str | None, Depends(unchanged_alerts)]
+
+
+@router.get("/alerts", responses=NOT_YOURS)
+@reads_with_caller(_caller_alerts_version)
+def list_alerts(
+    scope: AlertsReadDep,
+    session: SessionDep,
     status: StatusQuery = None,
     severity: SeverityQuery = None,
     rule: RuleQuery = None,
@@ -163,27 +217,10 @@ def list_alerts(
     offset: OffsetQuery = 0,
 ) -> AlertsPublic:
     """Alerts across every run the caller may read, newest first. Tagged by the alerts
-    counter of the projects it covers (`conditional.alerts_tag`), and kept: a thousand
-    viewers of a project's alerts cost one page per change of them."""
-    if project is not None:
-        principal.check_project(project)
-    scope = principal.project or project
-    conditional.check_tag(request, _alerts_tag(request, session, scope))
+    counter of the projects it covers (`unchanged_alerts`), and kept: a thousand viewers
+    of a project's alerts cost one page per change of them, and a kept page no session."""
     conditions = _filters(status, severity, rule)
     return _page(session, conditions, limit, offset, project=scope)
-
-
-def _alerts_tag(request: Request, session: Session, project: str | None) -> str:
-    """The tag of the alerts of `project` (None: of every project). Read before the page,
-    in an earlier snapshot than the page's: a tag never names an older page than its own.
-    A project without a row has no alerts: every such answer is the empty page."""
-    if project is None:  # projects are never deleted: the sum only rises
-        total = session.scalar(select(func.coalesce(func.sum(Project.alerts_version), 0)))
-        return conditional.alerts_tag(request, "*", int(total or 0))
-    row = session.execute(
-        select(Project.id, Project.alerts_version).where(Project.name == project)
-    ).first()
-    return conditional.alerts_tag(request, *(row if row is not None else (0, 0)))
 
 
 @router.get("/alert-rules")

@@ -6,7 +6,7 @@ import functools
 import inspect
 from collections.abc import Callable, Coroutine, Iterator
 from datetime import datetime
-from typing import Annotated, Any, cast
+from typing import Annotated, Any, TypeVar, cast
 
 from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
@@ -147,7 +147,34 @@ def resolve_caller(request: Request) -> Principal:
         run_id = request.path_params.get("run_id")
         if isinstance(run_id, str) and run_id.isdecimal():  # else FastAPI answers 422
             request.scope[_RUN_KEY] = _run_row(session, int(run_id))
+        read = getattr(request.scope["route"].endpoint, _CALLER_READ, None)
+        if read is not None:
+            request.scope[_CALLER_READ] = read(session, request, principal)
         return principal
+
+
+E = TypeVar("E", bound=Callable[..., Any])
+#: The endpoint attribute `reads_with_caller` sets, and the request scope key of its value.
+_CALLER_READ = "ampwatch_caller_read"
+
+
+def reads_with_caller(read: Callable[[Session, Request, Principal], Any]) -> Callable[[E], E]:
+    """Mark an endpoint whose dependencies need `read(session, request, caller)` before its
+    own session opens: `resolve_caller` runs it in its hop and its lookup session, and
+    `caller_read` gives the value. Why: a dependency that answers a kept page (`Kept`)
+    before the endpoint's `SessionDep` saves that session and its worker-thread hop, as
+    `RunReadDep` does with the run row the caller's hop reads."""
+
+    def mark(endpoint: E) -> E:
+        setattr(endpoint, _CALLER_READ, read)  # functools.wraps carries it to the route's
+        return endpoint
+
+    return mark
+
+
+def caller_read(request: Request) -> Any:
+    """What the endpoint's `reads_with_caller` read in the caller's hop (None: nothing)."""
+    return request.scope.get(_CALLER_READ)
 
 
 async def get_principal(

@@ -160,13 +160,15 @@ def counted_calls(monkeypatch: pytest.MonkeyPatch, owner: Any, name: str) -> lis
 def test_an_alert_list_is_computed_once_per_change_for_every_viewer(
     client: httpx.Client, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """Viewers of the alerts across runs without the tag get the kept page."""
+    """Viewers of the alerts across runs without the tag get the kept page, its tag read in
+    the caller's hop (`deps.reads_with_caller`), not in a hop of its own."""
     from ampwatch.server.api import alerts
 
     calls = counted_calls(monkeypatch, alerts, "_page")
+    own_hops = counted_calls(monkeypatch, alerts, "_own_alerts_version")
     steady(client, 0, [0])
     first, second = client.get(ALERTS), client.get(ALERTS)
-    assert (first.status_code, second.status_code, len(calls)) == (200, 200, 1)
+    assert (first.status_code, second.status_code, len(calls), own_hops) == (200, 200, 1, [])
     assert second.content == first.content and second.headers["etag"] == first.headers["etag"]
     assert client.post(INGEST_PATH, content=json.dumps(nan_batch(1, 1))).status_code == 200
     third = client.get(ALERTS)
