@@ -90,11 +90,13 @@ _COMBOS = len(wire.FP8_SCALINGS) * len(wire.FP8_FORMATS)
 VALUES_PER_TENSOR = _COMBOS * _PER_COMBO + 1 + len(wire.FP8_SPREAD_SCALINGS)
 
 
-def group_scales(amax: torch.Tensor) -> torch.Tensor:
+def group_scales(amax: torch.Tensor, workspace: Workspace | None = None) -> torch.Tensor:
     """The multiplier s per group (float32) of every combination: amax [scalings, ...] (one
     per `wire.FP8_SCALINGS`, broadcast to one shape) -> [scalings x formats, ...], in the
     layout's order: fmax / amax for current scaling, 2^-(shared exponent) for MX; 1 for an
-    all-zero group.
+    all-zero group. Written into the workspace's `scale` buffer: a batch's scales are
+    made once, not per slice of rows (~10 launches a slice), and on kept pages (a fresh
+    buffer of this size faulted ~1,100 pages a linear5 sample, more than the launches).
 
     >>> s = group_scales(torch.tensor([[2.0, 0.0, 600.0]]).expand(4, 3))
     >>> s[-2:]  # MX, E4M3 then E5M2
@@ -103,19 +105,19 @@ def group_scales(amax: torch.Tensor) -> torch.Tensor:
     >>> group_scales(torch.full((4, 1), 3.6))[-2, 0]  # 3.6 * 128 > 448: rounded up
     tensor(64.)
     """
+    workspace = Workspace() if workspace is None else workspace
     shape = (1, len(FORMATS)) + (1,) * (amax.dim() - 1)
     fmax, top = (v.view(shape) for v in _constants(amax.device)[:2])
-    current = amax[:_MX, None]
+    out = workspace.take("scale", (amax.shape[0], len(FORMATS), *amax.shape[1:]), amax.device)
     # A true division (`fmax / tensor` with a Python float would multiply by a rounded
     # reciprocal).
-    scales = [torch.div(fmax, current).clamp_(max=_F32_MAX)]
+    torch.div(fmax, amax[:_MX, None], out=out[:_MX]).clamp_(max=_F32_MAX)
     # Exactly, with amax = m * 2^e (m in [0.5, 1)): amax <= 0.875 * 2^(top + s) iff
     # s >= e - top, plus one when m > 0.875.
     mantissa, exponent = torch.frexp(amax[_MX:, None])
     shared = (exponent - top + (mantissa > 0.875).int()).clamp_(_E8M0_MIN, _E8M0_MAX)
-    scales.append(torch.ldexp(torch.ones_like(shared, dtype=torch.float32), -shared))
-    scale = torch.cat(scales)
-    return torch.where(amax[:, None] > 0, scale, torch.ones_like(scale)).flatten(0, 1)
+    torch.ldexp(torch.ones((), device=amax.device), -shared, out=out[_MX:])
+    return out.masked_fill_((amax <= 0)[:, None], 1.0).flatten(0, 1)
 
 
 class Workspace:
@@ -246,19 +248,21 @@ def _row_sums(groups: torch.Tensor, amax: torch.Tensor, workspace: Workspace) ->
     """Per row of `groups` ([rows, 1x32 groups, 32] magnitudes; `amax`: each scaling's,
     [scalings, rows, groups]): float64 [2 x combinations + 1, rows], the count of values
     kept (q != 0) and the squared error per combination, then ||x||^2. All eight
-    combinations at once, a slice of rows at a time: the scales (`group_scales`), the
-    scaled values, their rounding (`_round_into`), the kept count, and the squared error
-    summed per 1x32 group and brought back by that group's 1/s^2. Everything is made a
-    slice at a time: a batch's scales at once would be fresh pages each call."""
+    combinations at once, a slice of rows at a time (the batch's scales, `group_scales`,
+    made once): the scaled values, their rounding (`_round_into`), the kept count, and the
+    squared error summed per 1x32 group and brought back by that group's 1/s^2. The rest
+    is made a slice at a time on the workspace's buffers: a fresh batch-sized tensor
+    faults its pages on every call."""
     rows, width = groups.shape[0], groups.shape[1] * MX_GROUP
     step = max(1, _CHUNK_VALUES // width)
     shape = (_COMBOS, min(step, rows), *groups.shape[1:])
     y, q, c = (workspace.take(name, shape, groups.device) for name in ("y", "q", "c"))
     sums = torch.empty(2 * _COMBOS + 1, rows, dtype=torch.float64, device=groups.device)
+    scales = group_scales(amax, workspace)
     for start in range(0, rows, step):
         n = min(step, rows - start)
         ys, qs, cs = y[:, :n], q[:, :n], c[:, :n]
-        scale = group_scales(amax[:, start : start + n])
+        scale = scales[:, start : start + n]
         scale_sq = scale.double().square()  # float64: s^2 overflows float32 for tiny groups
         torch.mul(groups[start : start + n], scale[..., None], out=ys)
         # ||x||^2 from per-tensor E4M3's scaled values (|x|^2 underflows float32).
