@@ -194,8 +194,9 @@ PrincipalDep = Annotated[Principal, Depends(get_principal)]
 
 #: Where `resolve_caller` leaves the path's run (`_run_row`), read in the caller's hop.
 _RUN_KEY = "ampwatch.path_run"
-_RUN_ROW = select(Run.project, Run.created_at, Run.version, Run.alerts_version).where(
-    Run.id == bindparam("run_id")
+_RUNS = Run.__table__.c  # table columns, not the ORM's: as `auth._TOKEN_BY_PREFIX`
+_RUN_ROW = select(_RUNS.project, _RUNS.created_at, _RUNS.version, _RUNS.alerts_version).where(
+    _RUNS.id == bindparam("run_id")
 )
 
 
