@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import functools
 import inspect
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import AsyncIterator, Callable, Coroutine
 from datetime import datetime
 from typing import Annotated, Any, TypeVar, cast
 
@@ -34,14 +34,24 @@ async def get_settings(request: Request) -> Settings:
     return cast(Settings, request.app.state.settings)
 
 
-def get_session(request: Request) -> Iterator[Session]:
+async def get_session(request: Request) -> AsyncIterator[Session]:
     """One session per request, closed (and any open transaction rolled back) after it.
 
-    Routes of `SessionRoute` close it already when the endpoint returns; this exit is the
-    backstop for any other route.
+    Async: made on the event loop (a session opens no connection before its first
+    statement), so a request pays no worker-thread hop to make it and none to leave it
+    (FastAPI runs a sync generator's entry and its exit each on a thread). Routes of
+    `SessionRoute` close it on the endpoint's thread as soon as it returns; this exit is
+    the backstop for any other route, and closes a session still in a transaction on a
+    worker thread (its rollback may wait for the database).
     """
-    with request.app.state.sessionmaker() as session:
+    session = cast(Session, request.app.state.sessionmaker())
+    try:
         yield session
+    finally:
+        if session.in_transaction():
+            await run_in_threadpool(session.close)
+        else:
+            session.close()
 
 
 def _closing_sessions(endpoint: Callable[..., Any]) -> Callable[..., Any]:
