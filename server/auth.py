@@ -34,7 +34,7 @@ import secrets
 from dataclasses import dataclass
 from datetime import datetime
 
-from sqlalchemy import bindparam, exists, select
+from sqlalchemy import Connection, bindparam, exists, select
 from sqlalchemy.orm import Session
 
 from ampwatch.server.db import begin_write, dialect_insert
@@ -217,12 +217,14 @@ def is_loopback(host: str) -> bool:
         return False
 
 
-def any_credential(session: Session, settings: Settings) -> bool:
+def any_credential(session: Session | Connection, settings: Settings) -> bool:
     """Whether a token exists (revoked ones count: revoking must never reopen access)."""
     return settings.admin_token is not None or bool(session.scalar(select(exists(Token.id))))
 
 
-def trusts_everyone(session: Session, settings: Settings, peer: str | None = None) -> bool:
+def trusts_everyone(
+    session: Session | Connection, settings: Settings, peer: str | None = None
+) -> bool:
     """Whether requests need no token: the explicit override, or the local-trust default.
 
     `peer` is the caller's address as the connection shows it: local trust needs a
@@ -272,7 +274,7 @@ _TOKEN_BY_PREFIX = (
 
 
 def resolve_principal(
-    session: Session,
+    session: Session | Connection,
     settings: Settings,
     authorization: str | None,
     *,

@@ -34,7 +34,7 @@ from ampwatch.server.api import (
 from ampwatch.server.api import metrics as metrics_api
 from ampwatch.server.api.deps import AUTH_ERRORS, get_principal
 from ampwatch.server.body_limit import BodyLimit
-from ampwatch.server.db import lookup_sessions, make_engine, make_sessionmaker
+from ampwatch.server.db import lookup_connections, make_engine, make_sessionmaker
 from ampwatch.server.ingest_pool import IngestPool, yield_cpu_to_ingest
 from ampwatch.server.origin import LocalTrustGuard
 from ampwatch.server.settings import Settings
@@ -77,7 +77,7 @@ def create_app(settings: Settings | None = None, *, freeze_heap: bool = True) ->
     app.state.settings = settings
     app.state.engine = engine
     app.state.sessionmaker = sessions
-    app.state.lookup_sessions = lookup_sessions(engine)
+    app.state.lookup_connections = lookup_connections(engine)
     app.state.migration_head = migrate.head_revision()
     app.state.ingest_counters = metrics.IngestCounters(settings.metrics_dir)
     # Inside CountRejections: an ingest body refused for its size is counted.

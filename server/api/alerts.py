@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Depends, FastAPI, HTTPException, Query, Request
-from sqlalchemy import bindparam, exists, func, select
+from sqlalchemy import Connection, bindparam, exists, func, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -161,28 +161,28 @@ _PROJECT_ALERTS_VERSION = select(_PROJECTS.id, _PROJECTS.alerts_version).where(
 )
 
 
-def _alerts_version(session: Session, project: str | None) -> tuple[int | str, int]:
+def _alerts_version(connection: Connection, project: str | None) -> tuple[int | str, int]:
     """What names the alerts of `project` (None: of every project) in their tag
     (`conditional.alerts_tag`): the project's id, or `*`, with its alerts counter. A
     project without a row has no alerts: every such answer is the empty page."""
     if project is None:  # projects are never deleted: the sum only rises
-        return "*", int(session.scalar(_ALL_ALERTS_VERSION) or 0)
-    row = session.execute(_PROJECT_ALERTS_VERSION, {"project": project}).first()
+        return "*", int(connection.scalar(_ALL_ALERTS_VERSION) or 0)
+    row = connection.execute(_PROJECT_ALERTS_VERSION, {"project": project}).first()
     return (row.id, row.alerts_version) if row is not None else (0, 0)
 
 
 def _caller_alerts_version(
-    session: Session, request: Request, principal: Principal
+    connection: Connection, request: Request, principal: Principal
 ) -> tuple[str | None, tuple[int | str, int]]:
     """In the caller's hop (`deps.reads_with_caller`): the projects the page will cover,
     with `_alerts_version` of them."""
     scope = principal.project or request.query_params.get("project")
-    return scope, _alerts_version(session, scope)
+    return scope, _alerts_version(connection, scope)
 
 
 def _own_alerts_version(request: Request, project: str | None) -> tuple[int | str, int]:
-    with request.app.state.lookup_sessions() as session:
-        return _alerts_version(session, project)
+    with request.app.state.lookup_connections() as connection:
+        return _alerts_version(connection, project)
 
 
 async def unchanged_alerts(

@@ -11,7 +11,7 @@ from typing import Annotated, Any, TypeVar, cast
 from fastapi import Depends, HTTPException, Request, Response
 from fastapi.routing import APIRoute
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
-from sqlalchemy import Row, bindparam, select
+from sqlalchemy import Connection, Row, bindparam, select
 from sqlalchemy.orm import Session
 from starlette.concurrency import run_in_threadpool
 
@@ -143,23 +143,23 @@ def resolve_caller(request: Request) -> Principal:
     """Who is calling (401 when no valid token and none is needed: `ampwatch.server.auth`;
     403 when the token's scope does not cover the route: `auth.required_access`).
 
-    Uses a session of its own (`db.lookup_sessions`: reads only; autocommit on
+    Uses a connection of its own (`db.lookup_connections`: reads only; autocommit on
     PostgreSQL), closed before the endpoint runs, so that an endpoint that writes starts
     its transaction fresh (SQLite: as a writer, `db.begin_write`).
     """
     settings = cast(Settings, request.app.state.settings)
     declared = (getattr(request.scope["route"], "openapi_extra", None) or {}).get(ACCESS_EXTRA)
     access = required_access(request.method, declared)
-    with request.app.state.lookup_sessions() as session:
+    with request.app.state.lookup_connections() as connection:
         peer = request.client.host if request.client else None
         authorization = request.headers.get("authorization")
-        principal = resolve_principal(session, settings, authorization, access=access, peer=peer)
+        principal = resolve_principal(connection, settings, authorization, access=access, peer=peer)
         run_id = request.path_params.get("run_id")
         if isinstance(run_id, str) and run_id.isdecimal():  # else FastAPI answers 422
-            request.scope[_RUN_KEY] = _run_row(session, int(run_id))
+            request.scope[_RUN_KEY] = _run_row(connection, int(run_id))
         read = getattr(request.scope["route"].endpoint, _CALLER_READ, None)
         if read is not None:
-            request.scope[_CALLER_READ] = read(session, request, principal)
+            request.scope[_CALLER_READ] = read(connection, request, principal)
         return principal
 
 
@@ -168,7 +168,7 @@ E = TypeVar("E", bound=Callable[..., Any])
 _CALLER_READ = "ampwatch_caller_read"
 
 
-def reads_with_caller(read: Callable[[Session, Request, Principal], Any]) -> Callable[[E], E]:
+def reads_with_caller(read: Callable[[Connection, Request, Principal], Any]) -> Callable[[E], E]:
     """Mark an endpoint whose dependencies need `read(session, request, caller)` before its
     own session opens: `resolve_caller` runs it in its hop and its lookup session, and
     `caller_read` gives the value. Why: a dependency that answers a kept page (`Kept`)
@@ -210,17 +210,17 @@ _RUN_ROW = select(_RUNS.project, _RUNS.created_at, _RUNS.version, _RUNS.alerts_v
 )
 
 
-def _run_row(session: Session, run_id: int) -> Row[str, datetime, int, int] | None:
+def _run_row(connection: Connection, run_id: int) -> Row[str, datetime, int, int] | None:
     """The run's (project, created_at, version, alerts_version); None when there is no such
     run (ids beyond INTEGER included)."""
     if not 1 <= run_id <= MAX_INT:
         return None
-    return session.execute(_RUN_ROW, {"run_id": run_id}).first()
+    return connection.execute(_RUN_ROW, {"run_id": run_id}).first()
 
 
 def _own_run_row(request: Request, run_id: int) -> Row[str, datetime, int, int] | None:
-    with request.app.state.lookup_sessions() as session:
-        return _run_row(session, run_id)
+    with request.app.state.lookup_connections() as connection:
+        return _run_row(connection, run_id)
 
 
 async def existing_run_id(run_id: int, request: Request, principal: PrincipalDep) -> int:

@@ -17,7 +17,7 @@ from wire_batches import layer_record, make_batch, step_record
 from ampwatch.agent.wire import INGEST_PATH
 from ampwatch.dashboard.client import CollectorClient, CollectorError
 from ampwatch.server import auth, cli
-from ampwatch.server.db import lookup_sessions, make_engine, make_sessionmaker
+from ampwatch.server.db import lookup_connections, make_engine, make_sessionmaker
 from ampwatch.server.main import create_app
 from ampwatch.server.migrate import upgrade
 from ampwatch.server.models import Base, Token
@@ -434,19 +434,19 @@ def test_a_short_admin_token_is_refused() -> None:
 
 
 def test_the_callers_lookup_runs_outside_a_transaction_on_postgresql(db_url: str) -> None:
-    """`db.lookup_sessions`: on PostgreSQL each statement of the caller's lookup is its own
+    """`db.lookup_connections`: on PostgreSQL each statement of the caller's lookup is its own
     (no BEGIN / ROLLBACK round trips), so two statements see two clocks; on SQLite the
     lookup is a plain transaction (a statement outside one costs more there)."""
     upgrade(db_url)
     engine = make_engine(db_url)
     try:
-        with lookup_sessions(engine)() as session:
+        with lookup_connections(engine)() as connection:
             if engine.dialect.name == "sqlite":
-                assert session.connection().get_isolation_level() == "SERIALIZABLE"
+                assert connection.get_isolation_level() == "SERIALIZABLE"
                 return
-            first = session.execute(text("SELECT now()")).scalar()
-            session.execute(text("SELECT pg_sleep(0.01)"))
-            second = session.execute(text("SELECT now()")).scalar()
+            first = connection.execute(text("SELECT now()")).scalar()
+            connection.execute(text("SELECT pg_sleep(0.01)"))
+            second = connection.execute(text("SELECT now()")).scalar()
             assert first is not None and second is not None and second > first
         with make_sessionmaker(engine)() as session:  # a plain session: one transaction
             first = session.execute(text("SELECT now()")).scalar()
