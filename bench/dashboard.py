@@ -26,6 +26,9 @@ Measured (2 quiet cores, SQLite, 3 rounds x 4 runs, cartesian bundle): at 2,000,
 the run page's own share 416-617 ms); scripts cached 550-817 ms; from the runs list
 515-656 ms. V8's compile hint on plotly.js (`//# allFunctionsCalledOnLoad`) moved the
 medians by less than their spread (1312 / 1443 ms with, 1361 / 1496 ms without): not kept.
+On a faster 2-core machine (3 rounds x 4 runs, twice): first render medians 960 / 945 ms
+(bar 1,000 ms: met, with little to spare), floor 683 / 716 ms, scripts cached 468 / 429
+ms, from the runs list 399 / 395 ms.
 """
 
 from __future__ import annotations

@@ -24,6 +24,11 @@ tensor a call and six in one call.
 Measured here (2 cores, one torch thread): wall 1.02x / 1.02x / 1.08x for linear5 / 0.1M /
 3M, CPU 2.23x / 1.28x / 1.52x, average at M = 500 <= 0.25%: linear5's CPU misses the 2x bar
 (its sample is ~16 ms of `quantisation_counts` on the sender thread against a 12.8 ms step).
+On a faster machine, with a batch's group scales made once (`fp8_counts.group_scales`):
+wall 1.04x / 1.01x / 1.05x, CPU 2.07x / 1.19x / 1.39x (linear5 2.06-2.10x over three runs,
+2.13-2.14x before the scales' change): ~8.7 ms of `quantisation_counts` against an 8.2 ms
+step, ~90% of the sample's cost, at ~10 passes over the eight combinations' buffers that
+eager kernels cannot fuse.
 
     nice python bench/fp8_overhead.py                # ~2 minutes on 2 loaded cores
     python bench/fp8_overhead.py --quick             # smoke run

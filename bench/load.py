@@ -48,6 +48,15 @@ batches/s under the load) its p50 climbs to ~1 s. On PostgreSQL (two workers) th
 processes spend ~42-47 ms a batch and a read ~7-9 ms, the database's own processes
 besides: 47-57 reads/s. p99 < 2 s under 1,000 closed-loop readers needs >= 500 reads/s
 (Little's law: mean latency = readers / throughput), so both costs must about halve.
+On a faster 2-core machine the same code gave SQLite 542-556 reads/s (p99 2.4-2.7 s,
+1.6 ms a read) and PostgreSQL 182/s. Then the reads stopped building ORM objects and
+statements per request (the caller's token and path run, the alert lists' tags, the runs
+list: table columns, built once), the caller's lookup ran on a Core connection, the
+request's session was made on the event loop (two worker-thread hops fewer) and the read
+threads went from 4 to 2 (`worker_threads`): SQLite 810 / 861 reads/s (p50 1.2-1.3 s,
+p99 1.70 / 1.75 s, 1.04-1.08 ms a read), ingest p99 0.26 s, alert p99 1.0-1.1 s, every
+bar met; PostgreSQL 252 / 304 reads/s (p99 ~9 s, ~2 ms a read, the machine 2% idle: the
+database and two ingest processes share the cores), ingest p99 0.96 / 1.5 s.
 
 The clients run in two processes beside the collector and `/healthz` is probed from a
 third (so its latency is the collector's, not a busy client's event loop): on a 2-core
