@@ -169,8 +169,8 @@ _CALLER_READ = "ampwatch_caller_read"
 
 
 def reads_with_caller(read: Callable[[Connection, Request, Principal], Any]) -> Callable[[E], E]:
-    """Mark an endpoint whose dependencies need `read(session, request, caller)` before its
-    own session opens: `resolve_caller` runs it in its hop and its lookup session, and
+    """Mark an endpoint whose dependencies need `read(connection, request, caller)` before
+    its own session opens: `resolve_caller` runs it in its hop and lookup connection, and
     `caller_read` gives the value. Why: a dependency that answers a kept page (`Kept`)
     before the endpoint's `SessionDep` saves that session and its worker-thread hop, as
     `RunReadDep` does with the run row the caller's hop reads."""
